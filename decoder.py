@@ -1,0 +1,334 @@
+"""Regular and speculative decoding (Leviathan et al., arXiv 2211.17192) for T5 in MLX.
+
+One speculative round:
+
+1. the draft model proposes ``g`` tokens x_1..x_g, one at a time, from its
+   distributions q_1..q_g;
+2. the main model scores the last accepted token and x_1..x_g in one pass,
+   giving its distributions p_1..p_{g+1};
+3. each x_i is accepted in turn until the first rejection; the round then
+   adds one token of the main model's own: a replacement for the rejected
+   token, or one more token after x_g when all were accepted.
+
+So every round costs one main-model pass and adds between 1 and g+1 tokens.
+The whole round is built lazily and evaluated with one host synchronisation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from model import T5, DecoderCache, ModelArgs
+
+
+class IncompatibleDraftError(ValueError):
+    """The draft model cannot propose tokens for the main model."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a token is chosen from logits. ``temp == 0`` means greedy (argmax);
+    otherwise softmax(logits / temp), restricted to the ``top_k`` likeliest
+    tokens (0: all) and to the smallest set whose probability reaches ``top_p``."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if self.temp < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temp}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def probabilities(self, logits: mx.array) -> mx.array:
+        """The sampling distribution over the last axis of ``logits``."""
+        logits = logits.astype(mx.float32) / self.temp
+        if 0 < self.top_k < logits.shape[-1]:
+            kth_largest = mx.topk(logits, self.top_k, axis=-1).min(axis=-1, keepdims=True)
+            logits = mx.where(logits < kth_largest, -mx.inf, logits)
+        probs = mx.softmax(logits, axis=-1)
+        if self.top_p < 1:
+            descending = -mx.sort(-probs, axis=-1)
+            mass_before = mx.cumsum(descending, axis=-1) - descending
+            # The smallest kept probability: tokens before it hold < top_p.
+            num_kept = (mass_before < self.top_p).sum(axis=-1, keepdims=True)
+            smallest_kept = mx.take_along_axis(descending, num_kept - 1, axis=-1)
+            probs = mx.where(probs < smallest_kept, 0.0, probs)
+            probs = probs / probs.sum(axis=-1, keepdims=True)
+        return probs
+
+    def sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        """One token per row of ``logits``, and the distribution it was drawn
+        from (None when greedy)."""
+        if self.greedy:
+            return mx.argmax(logits, axis=-1), None
+        probs = self.probabilities(logits)
+        return mx.random.categorical(mx.log(probs)), probs
+
+
+def verify(
+    draft_tokens: mx.array,
+    draft_probs: mx.array | None,
+    main_logits: mx.array,
+    sampling: Sampling,
+    delta: float,
+) -> tuple[mx.array, mx.array]:
+    """Decide how many of the ``g`` draft tokens the main model accepts, and
+    the token that follows them.
+
+    ``main_logits`` has ``g + 1`` rows: row i scores the position of draft
+    token i, the last row the position after all of them. Returns
+    ``(num_accepted, next_token)`` as scalar arrays.
+
+    Sampling (temp > 0): x_i is accepted when ``u * (1 - delta) * q(x) <= p(x)``
+    with u uniform in (0, 1]; for delta = 0 that is probability min(1, p/q),
+    the paper's rule, and a rejected token is replaced by a sample from
+    normalize(max(0, p - q)). Greedy (temp = 0): x_i is accepted when it is
+    the main model's argmax or, for delta > 0, when ``p(x) >= (1 - delta) *
+    max p`` with p the main model's softmax; a rejected token is replaced by
+    the argmax. In both, delta = 1 accepts every draft token.
+    """
+    num_draft = draft_tokens.shape[0]
+    if sampling.greedy:
+        main_tokens = mx.argmax(main_logits, axis=-1)
+        accepted = draft_tokens == main_tokens[:num_draft]
+        if delta > 0:
+            probs = mx.softmax(main_logits[:num_draft].astype(mx.float32), axis=-1)
+            chosen = mx.take_along_axis(probs, draft_tokens[:, None], axis=-1)[:, 0]
+            accepted = accepted | (chosen >= (1 - delta) * probs.max(axis=-1))
+        candidates = main_tokens
+    else:
+        probs = sampling.probabilities(main_logits)
+        p = mx.take_along_axis(probs[:num_draft], draft_tokens[:, None], axis=-1)[:, 0]
+        q = mx.take_along_axis(draft_probs, draft_tokens[:, None], axis=-1)[:, 0]
+        u = 1 - mx.random.uniform(shape=(num_draft,))
+        accepted = u * (1 - delta) * q <= p
+        # Row i < g: the replacement should x_i be rejected; row g: the extra token.
+        residual = mx.maximum(probs[:num_draft] - draft_probs, 0)
+        candidates = mx.random.categorical(
+            mx.log(mx.concatenate([residual, probs[num_draft:]], axis=0))
+        )
+    num_accepted = mx.cumprod(accepted.astype(mx.int32)).sum()
+    return num_accepted, candidates[num_accepted]
+
+
+@dataclass
+class GenerationResult:
+    """The tokens and text generated so far, and what it cost."""
+
+    tokens: list[int]
+    text: str = ""
+    n_draft: int = 0  # draft tokens proposed
+    n_accepted: int = 0  # draft tokens accepted
+    n_rejected: int = 0  # draft tokens tested and rejected (at most one per round)
+    n_steps: int = 0  # main-model decoder passes
+    elapsed: float = 0.0  # seconds, prompt encoding included
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per proposed draft token."""
+        return self.n_accepted / self.n_draft if self.n_draft else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.elapsed if self.elapsed else 0.0
+
+
+def load_tokenizer(path: str | Path):
+    """The Hugging Face tokenizer saved beside a converted model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def check_draft_compatible(
+    main_args: ModelArgs,
+    draft_args: ModelArgs,
+    main_name: str = "main model",
+    draft_name: str = "draft model",
+    main_vocab: dict[str, int] | None = None,
+    draft_vocab: dict[str, int] | None = None,
+) -> None:
+    """Raise ``IncompatibleDraftError`` unless the draft model speaks the main
+    model's vocabulary: same output size, same special tokens and, when
+    given, the same tokenizer vocabulary."""
+    for field in (
+        "vocab_size",
+        "decoder_start_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ):
+        main_value, draft_value = getattr(main_args, field), getattr(draft_args, field)
+        if main_value != draft_value:
+            raise IncompatibleDraftError(
+                f"draft model {draft_name} does not match main model {main_name}: "
+                f"{field} is {draft_value} in the draft and {main_value} in the main model"
+            )
+    if main_vocab is not None and draft_vocab is not None and main_vocab != draft_vocab:
+        differing = len(set(main_vocab.items()) ^ set(draft_vocab.items()))
+        raise IncompatibleDraftError(
+            f"draft model {draft_name} does not match main model {main_name}: "
+            f"their tokenizers differ in {differing} vocabulary entries"
+        )
+
+
+def check_draft_directories(main_path: str | Path, draft_path: str | Path) -> None:
+    """``check_draft_compatible`` for two converted model directories,
+    reading only their configs and tokenizers, before any weights are loaded."""
+    args, vocabs = [], []
+    for path in (main_path, draft_path):
+        args.append(ModelArgs.from_dict(json.loads((Path(path) / "config.json").read_text())))
+        vocabs.append(load_tokenizer(path).get_vocab())
+    check_draft_compatible(*args, str(main_path), str(draft_path), *vocabs)
+
+
+def _catch_up(cache: DecoderCache, sequence: list[int]) -> list[int]:
+    """Trim ``cache`` to the accepted ``sequence`` (keeping every position
+    whose token was accepted) and return the tokens it has yet to process.
+    The last token of the sequence is never cached: it is the next input."""
+    cache.trim(max(0, cache.offset - (len(sequence) - 1)))
+    return sequence[cache.offset :]
+
+
+class SpeculativeDecoder:
+    """Decodes with ``model``, using ``draft_model`` to propose ``num_draft``
+    tokens per main-model pass; ``delta`` in [0, 1] relaxes acceptance."""
+
+    def __init__(
+        self,
+        model: T5,
+        draft_model: T5 | None,
+        tokenizer,
+        num_draft: int = 5,
+        delta: float = 0.0,
+    ):
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        if not 0 <= delta <= 1:
+            raise ValueError(f"delta must be in [0, 1], got {delta}")
+        if draft_model is not None:
+            check_draft_compatible(model.args, draft_model.args)
+        self.model = model
+        self.draft_model = draft_model
+        self.tokenizer = tokenizer
+        self.num_draft = num_draft
+        self.delta = delta
+
+    def _prompt_ids(self, prompt: str | list[int]) -> mx.array:
+        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        if not ids or (isinstance(prompt, str) and not prompt.strip()):
+            raise ValueError("the prompt is empty")
+        return mx.array([ids])
+
+    def _draft(
+        self,
+        pending: list[int],
+        cache: DecoderCache,
+        num_draft: int,
+        sampling: Sampling,
+    ) -> tuple[mx.array, mx.array | None]:
+        """Lazily propose ``num_draft`` tokens; the last one is not fed back."""
+        inputs = mx.array([pending])
+        tokens, probs = [], []
+        for _ in range(num_draft):
+            logits = self.draft_model.decode(inputs, cache)[0, -1]
+            token, token_probs = sampling.sample(logits)
+            tokens.append(token)
+            probs.append(token_probs)
+            inputs = token.reshape(1, 1)
+        draft_probs = None if sampling.greedy else mx.stack(probs)
+        return mx.stack(tokens), draft_probs
+
+    def stream(
+        self,
+        prompt: str | list[int],
+        *,
+        speculative: bool = True,
+        max_tokens: int = 100,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+    ) -> Iterator[GenerationResult]:
+        """Decode ``prompt`` and yield the running result after every
+        main-model pass. Regular decoding (``speculative=False``, or no draft
+        model) is the same loop with no draft tokens."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        sampling = Sampling(temp, top_p, top_k)
+        speculative = speculative and self.draft_model is not None
+        if seed is not None:
+            mx.random.seed(seed)
+        start = time.perf_counter()
+        prompt_ids = self._prompt_ids(prompt)
+        eos = self.model.args.eos_token_id
+        main_cache = self.model.make_cache(self.model.encode(prompt_ids))
+        if speculative:
+            draft_cache = self.draft_model.make_cache(self.draft_model.encode(prompt_ids))
+        sequence = [self.model.args.decoder_start_token_id]
+        result = GenerationResult(tokens=[])
+        while len(result.tokens) < max_tokens:
+            # Never propose more tokens than may still be generated.
+            num_draft = min(self.num_draft, max_tokens - len(result.tokens) - 1)
+            num_draft = num_draft if speculative else 0
+            pending = _catch_up(main_cache, sequence)
+            if num_draft > 0:
+                draft_pending = _catch_up(draft_cache, sequence)
+                draft_tokens, draft_probs = self._draft(
+                    draft_pending, draft_cache, num_draft, sampling
+                )
+                inputs = mx.concatenate([mx.array(pending), draft_tokens])
+            else:
+                draft_tokens, draft_probs = mx.array([], mx.int32), None
+                inputs = mx.array(pending)
+            logits = self.model.decode(inputs[None], main_cache)[0]
+            num_accepted, next_token = verify(
+                draft_tokens, draft_probs, logits, sampling, self.delta
+            )
+            mx.eval(num_accepted, next_token, draft_tokens)
+
+            num_accepted = num_accepted.item()
+            new_tokens = draft_tokens[:num_accepted].tolist() + [next_token.item()]
+            result.n_steps += 1
+            result.n_draft += num_draft
+            result.n_accepted += num_accepted
+            result.n_rejected += int(num_accepted < num_draft)
+            finished = eos in new_tokens
+            if finished:
+                new_tokens = new_tokens[: new_tokens.index(eos)]
+            sequence += new_tokens
+            result.tokens += new_tokens
+            result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+            result.elapsed = time.perf_counter() - start
+            yield result
+            if finished:
+                break
+
+    def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
+        """Regular decoding with the main model alone. Takes the keyword
+        arguments of ``stream``: max_tokens, temp, top_p, top_k, seed."""
+        return _last(self.stream(prompt, speculative=False, **kwargs))
+
+    def speculative_decode(self, prompt: str | list[int], **kwargs) -> GenerationResult:
+        """Speculative decoding; same arguments as ``generate``."""
+        return _last(self.stream(prompt, speculative=True, **kwargs))
+
+
+def _last(results: Iterator[GenerationResult]) -> GenerationResult:
+    result = None
+    for result in results:
+        pass
+    return result

@@ -1,0 +1,372 @@
+"""T5 encoder-decoder in MLX, with a trimmable decoder cache.
+
+The model computes the same function as Hugging Face's
+``T5ForConditionalGeneration``: relative position buckets added to the
+attention scores (no 1/sqrt(d) scaling), RMS norms before every sub-layer,
+and either a ReLU (T5 v1.0) or a gated-GELU (T5 v1.1, FLAN-T5, mT5)
+feed-forward block.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import mlx.core as mx
+from mlx import nn
+
+
+@dataclass
+class ModelArgs:
+    """The hyper-parameters ``convert.py`` writes to ``config.json``."""
+
+    vocab_size: int
+    d_model: int
+    d_kv: int
+    d_ff: int
+    num_layers: int
+    num_decoder_layers: int
+    num_heads: int
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    layer_norm_epsilon: float = 1e-6
+    feed_forward_proj: str = "relu"
+    # The output projection is the input embedding (no separate lm_head).
+    tie_word_embeddings: bool = True
+    # Original T5 multiplies the decoder output by d_model**-0.5 before the
+    # output projection; T5 v1.1 and its descendants do not.
+    scale_decoder_outputs: bool = True
+    decoder_start_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_dict(cls, config: dict) -> ModelArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names})
+
+
+ACTIVATIONS = {
+    "relu": nn.relu,
+    # Hugging Face maps "gated-gelu" to the tanh approximation ("gelu_new").
+    "gated-gelu": nn.gelu_approx,
+    "gelu": nn.gelu,
+    "silu": nn.silu,
+    "gated-silu": nn.silu,
+    "gated-relu": nn.relu,
+}
+
+
+def relative_position_bucket(
+    relative_position: mx.array,
+    bidirectional: bool,
+    num_buckets: int,
+    max_distance: int,
+) -> mx.array:
+    """Map key-minus-query distances to T5's buckets: exact for small
+    distances, logarithmic up to ``max_distance``, one bucket beyond.
+    A causal decoder only sees the past, so it spends no buckets on the future."""
+    buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        buckets = (relative_position > 0).astype(mx.int32) * num_buckets
+        distance = mx.abs(relative_position)
+    else:
+        distance = -mx.minimum(relative_position, 0)
+    max_exact = num_buckets // 2
+    # Same float32 operations, in the same order, as the reference, so
+    # distances on a bucket boundary land in the same bucket.
+    log_ratio = mx.log(distance.astype(mx.float32) / max_exact)
+    large = max_exact + (
+        log_ratio / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).astype(mx.int32)
+    large = mx.minimum(large, num_buckets - 1)
+    return buckets + mx.where(distance < max_exact, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+    """A learned scalar per head and distance bucket, added to attention scores."""
+
+    def __init__(self, args: ModelArgs, bidirectional: bool):
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.num_buckets = args.relative_attention_num_buckets
+        self.max_distance = args.relative_attention_max_distance
+        self.embeddings = nn.Embedding(self.num_buckets, args.num_heads)
+
+    def __call__(self, query_length: int, key_length: int, offset: int = 0) -> mx.array:
+        """Bias of shape [1, heads, query_length, key_length] for queries at
+        positions ``offset .. offset + query_length - 1``."""
+        query_position = mx.arange(offset, offset + query_length)[:, None]
+        key_position = mx.arange(key_length)[None, :]
+        buckets = relative_position_bucket(
+            key_position - query_position,
+            self.bidirectional,
+            self.num_buckets,
+            self.max_distance,
+        )
+        return self.embeddings(buckets).transpose(2, 0, 1)[None]
+
+
+class Attention(nn.Module):
+    """Multi-head attention without score scaling; T5 folds it into the weights."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads = args.num_heads
+        inner_dim = args.num_heads * args.d_kv
+        self.query_proj = nn.Linear(args.d_model, inner_dim, bias=False)
+        self.key_proj = nn.Linear(args.d_model, inner_dim, bias=False)
+        self.value_proj = nn.Linear(args.d_model, inner_dim, bias=False)
+        self.out_proj = nn.Linear(inner_dim, args.d_model, bias=False)
+
+    def split_heads(self, x: mx.array) -> mx.array:
+        batch, length, _ = x.shape
+        return x.reshape(batch, length, self.num_heads, -1).transpose(0, 2, 1, 3)
+
+    def keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys and values of ``x``, split into heads: [B, heads, length, d_kv]."""
+        return self.split_heads(self.key_proj(x)), self.split_heads(self.value_proj(x))
+
+    def __call__(self, x: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
+        queries = self.split_heads(self.query_proj(x))
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=mask)
+        batch, _, length, _ = out.shape
+        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+class FeedForward(nn.Module):
+    """``wo(act(wi x))``, or ``wo(act(wi_0 x) * wi_1 x)`` for the gated variants."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.feed_forward_proj not in ACTIVATIONS:
+            raise ValueError(
+                f"unsupported feed_forward_proj {args.feed_forward_proj!r}; "
+                f"expected one of {', '.join(ACTIVATIONS)}"
+            )
+        self.activation = ACTIVATIONS[args.feed_forward_proj]
+        self.gated = args.feed_forward_proj.startswith("gated-")
+        if self.gated:
+            self.wi_0 = nn.Linear(args.d_model, args.d_ff, bias=False)
+            self.wi_1 = nn.Linear(args.d_model, args.d_ff, bias=False)
+        else:
+            self.wi = nn.Linear(args.d_model, args.d_ff, bias=False)
+        self.wo = nn.Linear(args.d_ff, args.d_model, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.gated:
+            return self.wo(self.activation(self.wi_0(x)) * self.wi_1(x))
+        return self.wo(self.activation(self.wi(x)))
+
+
+def clamp_float16(x: mx.array) -> mx.array:
+    """Keep float16 activations finite. T5 v1.0 residual streams exceed the
+    float16 range; like the reference, clip just below the largest value."""
+    if x.dtype != mx.float16:
+        return x
+    limit = float(mx.finfo(mx.float16).max) - 1000
+    return mx.clip(x, -limit, limit)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.self_attn = Attention(args)
+        self.ff_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.ff = FeedForward(args)
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        y = self.self_attn_norm(x)
+        x = clamp_float16(x + self.self_attn(y, *self.self_attn.keys_values(y), mask))
+        return clamp_float16(x + self.ff(self.ff_norm(x)))
+
+
+class KVCache:
+    """Self-attention keys and values of one decoder layer.
+
+    Storage grows in chunks of ``step`` positions, so appending a token is a
+    slice write, not a concatenation; ``trim`` only moves the end marker.
+    """
+
+    step = 256
+
+    def __init__(self):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append [B, heads, T, d_kv] keys/values; return everything cached so far."""
+        end = self.offset + keys.shape[2]
+        if self.keys is None or end > self.keys.shape[2]:
+            batch, heads, _, dim = keys.shape
+            capacity = self.step * math.ceil(end / self.step)
+            new_keys = mx.zeros((batch, heads, capacity, dim), keys.dtype)
+            new_values = mx.zeros((batch, heads, capacity, dim), values.dtype)
+            if self.keys is not None:
+                new_keys[..., : self.offset, :] = self.keys[..., : self.offset, :]
+                new_values[..., : self.offset, :] = self.values[..., : self.offset, :]
+            self.keys, self.values = new_keys, new_values
+        self.keys[..., self.offset : end, :] = keys
+        self.values[..., self.offset : end, :] = values
+        self.offset = end
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` positions; returns how many were removed."""
+        n = min(n, self.offset)
+        self.offset -= n
+        return n
+
+
+class DecoderCache:
+    """What the decoder keeps between steps for one batch of prompts: a
+    trimmable self-attention cache per layer, and the cross-attention keys and
+    values of the encoder output, computed once per prompt."""
+
+    def __init__(self, cross_keys_values: list[tuple[mx.array, mx.array]], memory_mask: mx.array):
+        self.self_attn = [KVCache() for _ in cross_keys_values]
+        self.cross_keys_values = cross_keys_values
+        self.memory_mask = memory_mask
+
+    @property
+    def offset(self) -> int:
+        """Number of decoder positions cached."""
+        return self.self_attn[0].offset
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` decoder positions in every layer."""
+        trimmed = 0
+        for cache in self.self_attn:
+            trimmed = cache.trim(n)
+        return trimmed
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.self_attn = Attention(args)
+        self.cross_attn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.cross_attn = Attention(args)
+        self.ff_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+        self.ff = FeedForward(args)
+
+    def __call__(
+        self,
+        x: mx.array,
+        self_mask: mx.array,
+        cache: KVCache,
+        cross_keys_values: tuple[mx.array, mx.array],
+        memory_mask: mx.array,
+    ) -> mx.array:
+        y = self.self_attn_norm(x)
+        keys, values = cache.update_and_fetch(*self.self_attn.keys_values(y))
+        x = clamp_float16(x + self.self_attn(y, keys, values, self_mask))
+        y = self.cross_attn_norm(x)
+        x = clamp_float16(x + self.cross_attn(y, *cross_keys_values, memory_mask))
+        return clamp_float16(x + self.ff(self.ff_norm(x)))
+
+
+def padding_mask(mask: mx.array | None, dtype: mx.Dtype) -> mx.array:
+    """Additive key mask [B, 1, 1, S] from a [B, S] array of 1 (token) / 0 (padding)."""
+    if mask is None:
+        return mx.zeros((1, 1, 1, 1), dtype)
+    return mx.where(mask.astype(mx.bool_), 0.0, -mx.inf).astype(dtype)[:, None, None, :]
+
+
+class Stack(nn.Module):
+    """The layers of the encoder or the decoder, their shared position bias
+    and their final norm."""
+
+    def __init__(self, args: ModelArgs, layer_class: type, num_layers: int, bidirectional: bool):
+        super().__init__()
+        self.position_bias = RelativePositionBias(args, bidirectional)
+        self.layers = [layer_class(args) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
+
+
+class T5(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.shared = nn.Embedding(args.vocab_size, args.d_model)
+        self.encoder = Stack(args, EncoderLayer, args.num_layers, bidirectional=True)
+        self.decoder = Stack(args, DecoderLayer, args.num_decoder_layers, bidirectional=False)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.shared.weight.dtype
+
+    def encode(self, inputs: mx.array, mask: mx.array | None = None) -> mx.array:
+        """Encoder output [B, S, d_model] for token ids [B, S]; ``mask`` marks
+        real tokens with 1 and padding with 0."""
+        x = self.shared(inputs)
+        length = inputs.shape[1]
+        attn_mask = self.encoder.position_bias(length, length) + padding_mask(mask, x.dtype)
+        for layer in self.encoder.layers:
+            x = layer(x, attn_mask)
+        return self.encoder.norm(x)
+
+    def make_cache(self, memory: mx.array, mask: mx.array | None = None) -> DecoderCache:
+        """A fresh decoder cache for the encoder output ``memory``."""
+        cross = [layer.cross_attn.keys_values(memory) for layer in self.decoder.layers]
+        return DecoderCache(cross, padding_mask(mask, memory.dtype))
+
+    def decode(self, decoder_inputs: mx.array, cache: DecoderCache) -> mx.array:
+        """Logits [B, T, vocab] for the next token after each of the T new
+        decoder tokens; appends them to ``cache``."""
+        x = self.shared(decoder_inputs)
+        offset, length = cache.offset, decoder_inputs.shape[1]
+        total = offset + length
+        # Relative position buckets do not hide the future, so mask it.
+        future = mx.arange(total)[None, :] > mx.arange(offset, total)[:, None]
+        self_mask = self.decoder.position_bias(length, total, offset)
+        self_mask = mx.where(future, -mx.inf, self_mask).astype(x.dtype)
+        for layer, layer_cache, cross in zip(
+            self.decoder.layers, cache.self_attn, cache.cross_keys_values
+        ):
+            x = layer(x, self_mask, layer_cache, cross, cache.memory_mask)
+        x = self.decoder.norm(x)
+        if self.args.scale_decoder_outputs:
+            x = x * self.args.d_model**-0.5
+        if self.args.tie_word_embeddings:
+            return self.shared.as_linear(x)
+        return self.lm_head(x)
+
+    def __call__(
+        self, inputs: mx.array, decoder_inputs: mx.array, mask: mx.array | None = None
+    ) -> mx.array:
+        """Logits [B, T, vocab] for a whole decoder sequence; keeps no state."""
+        memory = self.encode(inputs, mask)
+        return self.decode(decoder_inputs, self.make_cache(memory, mask))
+
+
+def load_model(path: str | Path) -> T5:
+    """Load a model directory written by ``convert.py``.
+
+    Raises ``FileNotFoundError`` if a file is missing and ``ValueError`` if
+    the weights are unreadable or do not fit the configuration.
+    """
+    path = Path(path)
+    config_file, weights_file = path / "config.json", path / "weights.npz"
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} does not exist")
+    try:
+        args = ModelArgs.from_dict(json.loads(config_file.read_text()))
+        model = T5(args)
+        weights = mx.load(str(weights_file))
+        model.load_weights(list(weights.items()))
+        mx.eval(model.parameters())
+    except (ValueError, RuntimeError, TypeError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"cannot load the model in {path}: {error}; convert it again with convert.py"
+        ) from None
+    return model
