@@ -88,7 +88,10 @@ def read_shard(file: Path) -> dict[str, mx.array]:
             f"{file.parent} has only PyTorch .bin weights; install torch to read them, "
             "or use a checkpoint with safetensors"
         ) from None
-    state = torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - a refused or broken pickle raises many kinds
+        raise ValueError(f"cannot read {file}: {str(error).splitlines()[0]}") from None
     return {name: mx.array(tensor.float().numpy()) for name, tensor in state.items()}
 
 
@@ -133,6 +136,12 @@ def mlx_name(hf_name: str) -> str | None:
     raise ValueError(f"unexpected tensor {hf_name!r}: is this a T5 checkpoint?")
 
 
+def check_t5(hf_config: dict) -> None:
+    model_type = hf_config.get("model_type")
+    if model_type not in ("t5", "mt5"):
+        raise ValueError(f"config.json has model_type {model_type!r}; expected a T5 model")
+
+
 def model_config(hf_config: dict, has_lm_head: bool) -> dict:
     """The fields of ``model.ModelArgs`` from a Hugging Face T5 config.
 
@@ -141,9 +150,7 @@ def model_config(hf_config: dict, has_lm_head: bool) -> dict:
     ``tie_word_embeddings`` (older configs: false for T5 v1.1). The output
     projection is untied exactly when the checkpoint holds ``lm_head.weight``.
     """
-    model_type = hf_config.get("model_type")
-    if model_type not in ("t5", "mt5"):
-        raise ValueError(f"config.json has model_type {model_type!r}; expected a T5 model")
+    check_t5(hf_config)
     eos = hf_config.get("eos_token_id", 1)
     return {
         "model_type": "t5",
@@ -180,6 +187,11 @@ def convert(model: str, out: Path, dtype: str = "bfloat16") -> Path:
     config_file = checkpoint / "config.json"
     if not config_file.is_file():
         raise ValueError(f"no config.json in {checkpoint}")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"cannot read {config_file}: {error}") from None
+    check_t5(hf_config)
     tokenizer = read_tokenizer(checkpoint)
 
     weights = {}
@@ -192,10 +204,14 @@ def convert(model: str, out: Path, dtype: str = "bfloat16") -> Path:
                 weights[name] = tensor.astype(DTYPES[dtype])
     if "shared.weight" not in weights:
         raise ValueError(f"{checkpoint} has no shared.weight: is this a T5 checkpoint?")
-    config = model_config(json.loads(config_file.read_text()), "lm_head.weight" in weights)
+    config = model_config(hf_config, "lm_head.weight" in weights)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    # mkdtemp makes a private directory; give the result the usual permissions.
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
     try:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(str(staging))

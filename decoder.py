@@ -16,7 +16,6 @@ The whole round is built lazily and evaluated with one host synchronisation.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from model import T5, DecoderCache, ModelArgs
+from model import T5, DecoderCache, ModelArgs, load_config
 
 
 class IncompatibleDraftError(ValueError):
@@ -102,6 +101,8 @@ def verify(
     the argmax. In both, delta = 1 accepts every draft token.
     """
     num_draft = draft_tokens.shape[0]
+    if num_draft == 0:  # nothing to verify: an ordinary decoding step
+        return mx.array(0), sampling.sample(main_logits[0])[0]
     if sampling.greedy:
         main_tokens = mx.argmax(main_logits, axis=-1)
         accepted = draft_tokens == main_tokens[:num_draft]
@@ -151,6 +152,10 @@ def load_tokenizer(path: str | Path):
     """The Hugging Face tokenizer saved beside a converted model."""
     from transformers import AutoTokenizer
 
+    # Without its files, transformers would quietly build a default T5
+    # tokenizer from config.json and every word would become <unk>.
+    if not any((Path(path) / name).is_file() for name in ("tokenizer.json", "spiece.model")):
+        raise FileNotFoundError(f"{path} has no tokenizer; convert the model again with convert.py")
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -188,10 +193,8 @@ def check_draft_compatible(
 def check_draft_directories(main_path: str | Path, draft_path: str | Path) -> None:
     """``check_draft_compatible`` for two converted model directories,
     reading only their configs and tokenizers, before any weights are loaded."""
-    args, vocabs = [], []
-    for path in (main_path, draft_path):
-        args.append(ModelArgs.from_dict(json.loads((Path(path) / "config.json").read_text())))
-        vocabs.append(load_tokenizer(path).get_vocab())
+    args = [load_config(path) for path in (main_path, draft_path)]
+    vocabs = [load_tokenizer(path).get_vocab() for path in (main_path, draft_path)]
     check_draft_compatible(*args, str(main_path), str(draft_path), *vocabs)
 
 

@@ -348,6 +348,19 @@ class T5(nn.Module):
         return self.decode(decoder_inputs, self.make_cache(memory, mask))
 
 
+def load_config(path: str | Path) -> ModelArgs:
+    """The ``ModelArgs`` in ``path/config.json``; ``ValueError`` if unreadable."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} does not exist")
+    try:
+        return ModelArgs.from_dict(json.loads(config_file.read_text()))
+    except (ValueError, TypeError) as error:  # bad JSON, missing or odd fields
+        raise ValueError(
+            f"cannot read {config_file}: {error}; convert the model again with convert.py"
+        ) from None
+
+
 def load_model(path: str | Path) -> T5:
     """Load a model directory written by ``convert.py``.
 
@@ -355,18 +368,17 @@ def load_model(path: str | Path) -> T5:
     the weights are unreadable or do not fit the configuration.
     """
     path = Path(path)
-    config_file, weights_file = path / "config.json", path / "weights.npz"
-    for file in (config_file, weights_file):
-        if not file.is_file():
-            raise FileNotFoundError(f"{file} does not exist")
+    args = load_config(path)
+    weights_file = path / "weights.npz"
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"{weights_file} does not exist")
     try:
-        args = ModelArgs.from_dict(json.loads(config_file.read_text()))
         model = T5(args)
-        weights = mx.load(str(weights_file))
-        model.load_weights(list(weights.items()))
+        model.load_weights(list(mx.load(str(weights_file)).items()))
         mx.eval(model.parameters())
-    except (ValueError, RuntimeError, TypeError, json.JSONDecodeError) as error:
+    except (ValueError, RuntimeError) as error:
         raise ValueError(
-            f"cannot load the model in {path}: {error}; convert it again with convert.py"
+            f"cannot load the weights in {weights_file}: {error}; "
+            "convert the model again with convert.py"
         ) from None
     return model

@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny Hugging Face T5 checkpoints built at test time,
+converted with convert.py exactly as a user would."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fixtures import build_checkpoint, train_tokenizer
+
+import convert
+
+# Each architecture the converter and the model must handle.
+CHECKPOINTS = {
+    # Original T5: ReLU, tied embeddings, decoder output scaled by d_model**-0.5.
+    "relu_tied": {"feed_forward_proj": "relu", "tied": True},
+    # T5 v1.1 / FLAN-T5: gated GELU, a separate lm_head, no scaling.
+    "gated_untied": {"feed_forward_proj": "gated-gelu", "tied": False, "seed": 1},
+    "deep_decoder": {"num_layers": 2, "num_decoder_layers": 3, "seed": 2},
+    # num_heads * d_kv = 64 != d_model = 32, as in T5-11B.
+    "wide_heads": {"num_heads": 4, "d_kv": 16, "d_model": 32, "seed": 3},
+    # Original T5 whose residual stream leaves the float16 range.
+    "overflowing": {"feed_forward_proj": "relu", "tied": True, "seed": 5},
+    # The main model of the decoding tests.
+    "main": {"feed_forward_proj": "gated-gelu", "tied": False, "seed": 4},
+}
+
+
+def scale_tensors(file: Path, name_part: str, factor: float) -> None:
+    """Multiply every tensor of a safetensors file whose name contains ``name_part``."""
+    tensors = load_file(file)
+    for name in tensors:
+        if name_part in name:
+            tensors[name] = tensors[name] * factor
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory, tokenizer_dir):
+    """``hf_checkpoint(name)``: the Hugging Face directory of a CHECKPOINTS entry."""
+    built = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            directory = tmp_path_factory.mktemp(f"hf-{name}")
+            built[name] = build_checkpoint(
+                directory, tokenizer_dir=tokenizer_dir, **CHECKPOINTS[name]
+            )
+            if name == "overflowing":
+                scale_tensors(built[name] / "model.safetensors", "DenseReluDense.wo", 10000.0)
+        return built[name]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory, hf_checkpoint):
+    """``converted(name, dtype)``: a CHECKPOINTS entry run through convert.py."""
+    done = {}
+
+    def run(name: str, dtype: str = "float32") -> Path:
+        if (name, dtype) not in done:
+            out = tmp_path_factory.mktemp("mlx") / f"{name}-{dtype}"
+            convert.convert(str(hf_checkpoint(name)), out, dtype)
+            done[name, dtype] = out
+        return done[name, dtype]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def main_checkpoint(hf_checkpoint):
+    return hf_checkpoint("main")
+
+
+# Noise on the draft's output projection, relative to its spread: enough that
+# the draft disagrees with the main model at some positions, not at most.
+DRAFT_NOISE = 0.15
+
+
+@pytest.fixture(scope="session")
+def converted_pair(tmp_path_factory, main_checkpoint, converted):
+    """Converted directories of the main model and of its draft: the main
+    model with a perturbed output projection, so that the two agree on most
+    tokens but not all. (Perturbing every weight of these tiny random models
+    leaves a draft that agrees with almost nothing.)"""
+    hf_draft = tmp_path_factory.mktemp("hf-draft")
+    shutil.copytree(main_checkpoint, hf_draft, dirs_exist_ok=True)
+    tensors = load_file(hf_draft / "model.safetensors")
+    lm_head = tensors["lm_head.weight"]
+    noise = torch.randn(lm_head.shape, generator=torch.Generator().manual_seed(0))
+    tensors["lm_head.weight"] = lm_head + noise * lm_head.std() * DRAFT_NOISE
+    save_file(tensors, hf_draft / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path_factory.mktemp("mlx") / "draft"
+    convert.convert(str(hf_draft), out, "float32")
+    return converted("main"), out
+
+
+@pytest.fixture(scope="session")
+def decoding_pair(converted_pair):
+    """(main model, draft model, tokenizer), loaded."""
+    from decoder import load_tokenizer
+    from model import load_model
+
+    main_dir, draft_dir = converted_pair
+    return load_model(main_dir), load_model(draft_dir), load_tokenizer(main_dir)

@@ -1,0 +1,305 @@
+"""main.py end to end: each test launches ``python main.py`` on converted tiny models."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures import train_tokenizer
+
+import convert
+import main as main_module
+from decoder import SpeculativeDecoder, load_tokenizer
+from model import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN_PY = ROOT / "main.py"
+PROMPT = "translate English to German: the house is small."
+MAX_TOKENS = 20
+SEPARATOR = "=" * 40
+STATS = re.compile(r"tokens generated: (\d+), ([\d.]+) tokens/s, main-model passes: (\d+)")
+ACCEPTANCE = re.compile(r"draft tokens accepted: (\d+)/(\d+) \(([\d.]+)%\)")
+GENERATE = ["--prompt", PROMPT, "-m", str(MAX_TOKENS)]
+SAMPLE = ["--temp", "1", "--top-p", "0.9", "--top-k", "20", "--seed", "3"]
+
+
+# --- helpers -----------------------------------------------------------------
+
+
+def run_main(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python main.py ARGS`` in ``cwd``, offline."""
+    return run_main_concurrently(list(args), cwd=cwd)[0]
+
+
+def run_main_concurrently(*arg_lists: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
+    """Several ``python main.py`` runs at once (each spends seconds importing mlx)."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(MAIN_PY), *args],
+            cwd=cwd,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in arg_lists
+    ]
+    results = []
+    for process in processes:
+        try:
+            stdout, stderr = process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        results.append(
+            subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        )
+    return results
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess) -> str:
+    """A failed run whose stderr is exactly one ``error:`` line; returns that line."""
+    assert result.returncode != 0, f"main.py accepted bad input; its output:\n{result.stdout}"
+    assert "Traceback" not in result.stderr, f"main.py crashed:\n{result.stderr}"
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"greedy_reference one error line, got:\n{result.stderr}"
+    assert lines[0].startswith("error:"), result.stderr
+    return lines[0]
+
+
+def generated_text(stdout: str) -> str:
+    """The text main.py printed between the last "Loading ..." line and the stats."""
+    lines = stdout.split(SEPARATOR)[0].split("\n")
+    last_loading = max(i for i, line in enumerate(lines) if line.startswith("Loading "))
+    text = "\n".join(lines[last_loading + 1 :])
+    assert text.endswith("\n"), stdout
+    return text[:-1]
+
+
+def stats(stdout: str) -> tuple[int, float, int]:
+    """(tokens generated, tokens/s, main-model passes) from main.py's output."""
+    match = STATS.search(stdout)
+    assert match, stdout
+    return int(match[1]), float(match[2]), int(match[3])
+
+
+def copy_model(source: Path, destination: Path) -> Path:
+    shutil.copytree(source, destination)
+    return destination
+
+
+# --- fixtures ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(converted_pair) -> tuple[Path, Path]:
+    """(main directory, draft directory), as absolute paths."""
+    main_dir, draft_dir = converted_pair
+    return main_dir.resolve(), draft_dir.resolve()
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(models):
+    """The main model's greedy output for PROMPT, computed in this process."""
+    main_dir, _ = models
+    decoder = SpeculativeDecoder(load_model(main_dir), None, load_tokenizer(main_dir))
+    result = decoder.generate(PROMPT, max_tokens=MAX_TOKENS)
+    assert result.text.strip(), "the fixture model generates no text"
+    return result
+
+
+def model_args(models) -> list[str]:
+    main_dir, draft_dir = models
+    return ["--model-name", str(main_dir), "--draft-model-name", str(draft_dir)]
+
+
+# --- successful runs ---------------------------------------------------------------
+
+
+def test_speculative_run_prints_greedy_text_and_stats(models, greedy_reference, tmp_path):
+    result = run_main(*model_args(models), *GENERATE, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert generated_text(result.stdout) == greedy_reference.text
+    tokens, tokens_per_second, passes = stats(result.stdout)
+    assert tokens == len(greedy_reference.tokens)
+    assert tokens_per_second > 0
+    assert 1 <= passes <= tokens + 1
+    match = ACCEPTANCE.search(result.stdout)
+    assert match, result.stdout
+    accepted, proposed, percent = int(match[1]), int(match[2]), float(match[3])
+    assert 0 <= accepted <= proposed
+    assert proposed > 0
+    assert percent == pytest.approx(100 * accepted / proposed, abs=0.05)
+
+
+def test_regular_decode_prints_the_same_text(models, greedy_reference, tmp_path):
+    main_dir, _ = models
+    result = run_main("--model-name", str(main_dir), "--regular-decode", *GENERATE, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert generated_text(result.stdout) == greedy_reference.text
+    tokens, _, passes = stats(result.stdout)
+    assert tokens == len(greedy_reference.tokens)
+    assert passes in (tokens, tokens + 1)  # one token per pass, plus a final EOS pass
+    assert "draft tokens accepted" not in result.stdout
+    assert "Loading draft" not in result.stdout
+
+
+@pytest.mark.parametrize("regular", [False, True], ids=["speculative", "regular"])
+def test_sampling_is_reproducible_with_a_seed(regular, models, tmp_path):
+    args = [*model_args(models), *GENERATE, *SAMPLE] + (["--regular-decode"] if regular else [])
+    first, second = run_main_concurrently(args, args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    assert generated_text(first.stdout).strip()
+    assert generated_text(first.stdout) == generated_text(second.stdout)
+    assert stats(first.stdout)[0] == stats(second.stdout)[0]
+
+
+def test_model_names_resolve_under_mlx_models(models, greedy_reference, tmp_path):
+    """``NAME`` -> mlx_models/NAME and ``org/NAME`` -> mlx_models/org-NAME, from the cwd."""
+    main_dir, draft_dir = models
+    (tmp_path / "mlx_models").mkdir()
+    (tmp_path / "mlx_models" / "tiny-main").symlink_to(main_dir, target_is_directory=True)
+    copy_model(draft_dir, tmp_path / "mlx_models" / "org-tiny")
+    names = ["--model-name", "tiny-main", "--draft-model-name", "org/tiny"]
+    result = run_main(*names, *GENERATE, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"Loading {Path('mlx_models', 'tiny-main')}" in result.stdout
+    assert f"Loading draft {Path('mlx_models', 'org-tiny')}" in result.stdout
+    assert generated_text(result.stdout) == greedy_reference.text
+
+
+def test_resolve_model_finds_convert_default_output(tmp_path, monkeypatch):
+    """Where convert.py writes a hub id by default is where main.py looks for it."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("t5-small", "google/flan-t5-small"):
+        out = convert.default_output(name)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "weights.npz").write_bytes(b"")
+        assert main_module.resolve_model(name) == out
+
+
+# --- bad input -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "mentioned"),
+    [
+        (["--delta", "-0.1"], "--delta"),
+        (["--delta", "1.5"], "--delta"),
+        (["--delta", "half"], "--delta"),
+        (["--num-draft", "0"], "--num-draft"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["-m", "0"], "--max-tokens"),
+        (["--temp", "-1"], "--temp"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--top-k", "-1"], "--top-k"),
+        (["--prompt", ""], "prompt"),
+        (["--prompt", "   "], "prompt"),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else None,
+)
+def test_bad_arguments_give_one_line_error(args, mentioned, models, tmp_path):
+    result = run_main(*model_args(models), *args, cwd=tmp_path)
+    assert mentioned in assert_one_line_error(result)
+    assert "Loading" not in result.stdout
+
+
+@pytest.mark.parametrize("role", ["--model-name", "--draft-model-name"])
+def test_unconverted_model_names_the_convert_command(role, models, tmp_path):
+    main_dir, draft_dir = models
+    names = {"--model-name": str(main_dir), "--draft-model-name": str(draft_dir)}
+    names[role] = "no-such-org/no-such-t5"
+    result = run_main(*[x for pair in names.items() for x in pair], "-m", "3", cwd=tmp_path)
+    message = assert_one_line_error(result)
+    assert "python convert.py --model no-such-org/no-such-t5" in message
+    assert "Loading" not in result.stdout
+
+
+def truncate_weights(directory: Path) -> None:
+    weights = directory / "weights.npz"
+    os.truncate(weights, weights.stat().st_size // 2)
+
+
+def randomize_weights(directory: Path) -> None:
+    weights = directory / "weights.npz"
+    weights.write_bytes(random.Random(0).randbytes(weights.stat().st_size))
+
+
+def replace_tokenizer(directory: Path) -> None:
+    """Swap in a tokenizer with a different (150-piece) vocabulary."""
+    for file in directory.iterdir():
+        if file.name not in ("config.json", "weights.npz"):
+            file.unlink()
+    train_tokenizer(directory, vocab_size=150)
+
+
+def change_vocab_size(directory: Path) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config["vocab_size"] = 256
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def remove_config_field(directory: Path) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    del config["d_model"]
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def break_config_json(directory: Path) -> None:
+    (directory / "config.json").write_text('{"vocab_size": 200,')
+
+
+def remove_tokenizer(directory: Path) -> None:
+    for file in directory.iterdir():
+        if file.name not in ("config.json", "weights.npz"):
+            file.unlink()
+
+
+@pytest.mark.parametrize(
+    ("role", "damage", "mentioned"),
+    [
+        ("main", truncate_weights, "convert"),
+        ("draft", randomize_weights, "convert"),
+        ("draft", replace_tokenizer, "tokenizer"),
+        ("draft", change_vocab_size, "vocab_size"),
+        ("draft", remove_config_field, "d_model"),
+        ("draft", break_config_json, "config.json"),
+        ("main", remove_tokenizer, "tokenizer"),
+    ],
+    ids=[
+        "main-truncated-weights",
+        "draft-corrupt-weights",
+        "draft-other-tokenizer",
+        "draft-other-vocab-size",
+        "draft-config-missing-field",
+        "draft-config-not-json",
+        "main-without-tokenizer",
+    ],
+)
+def test_bad_model_directories_give_one_line_error(role, damage, mentioned, models, tmp_path):
+    """A damaged or incompatible model directory: one ``error:`` line naming it."""
+    main_dir, draft_dir = models
+    bad = copy_model(main_dir if role == "main" else draft_dir, tmp_path / "bad")
+    damage(bad)
+    if role == "main":
+        args = ["--model-name", str(bad), "--regular-decode"]
+    else:
+        args = ["--model-name", str(main_dir), "--draft-model-name", str(bad)]
+    result = run_main(*args, "--prompt", PROMPT, "-m", "5", cwd=tmp_path)
+    message = assert_one_line_error(result)
+    assert str(bad) in message
+    assert mentioned in message
+    if damage in (replace_tokenizer, change_vocab_size):
+        # An incompatible draft is found before any weights are loaded.
+        assert str(main_dir) in message
+        assert "Loading" not in result.stdout

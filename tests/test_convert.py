@@ -1,0 +1,510 @@
+"""convert.py: Hugging Face T5 checkpoints in, self-contained MLX model directories out."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+import convert
+from decoder import load_tokenizer
+from model import ModelArgs, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CONVERT_PY = ROOT / "convert.py"
+MAIN_PY = ROOT / "main.py"
+TEXT = "translate English to German: the house is small."
+HF_WEIGHTS = "model.safetensors"
+
+
+# --- helpers -----------------------------------------------------------------
+
+
+def offline_env() -> dict[str, str]:
+    """The environment of a CLI run that must not contact the Hugging Face Hub."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def run_convert(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python convert.py ARGS`` in ``cwd``."""
+    return subprocess.run(
+        [sys.executable, str(CONVERT_PY), *args],
+        check=False,
+        cwd=cwd,
+        env=offline_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def assert_one_line_error(stderr: str) -> str:
+    """``stderr`` is exactly one non-empty line, an ``error:`` message without a traceback."""
+    assert "Traceback" not in stderr, f"convert.py crashed:\n{stderr}"
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one error line, got:\n{stderr}"
+    assert lines[0].startswith("error:"), stderr
+    return lines[0]
+
+
+def copy_checkpoint(source: Path, destination: Path, *, without: tuple[str, ...] = ()) -> Path:
+    """Copy a Hugging Face checkpoint directory, leaving out the files named in ``without``."""
+    destination.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.is_file() and file.name not in without:
+            shutil.copyfile(file, destination / file.name)
+    return destination
+
+
+def read_weights(out: Path) -> dict[str, np.ndarray]:
+    """The converted weights as float32 numpy arrays."""
+    return {
+        name: np.array(w.astype(mx.float32))
+        for name, w in mx.load(str(out / "weights.npz")).items()
+    }
+
+
+def assert_same_weights(out: Path, reference: Path) -> None:
+    weights, expected = read_weights(out), read_weights(reference)
+    assert sorted(weights) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(weights[name], value, err_msg=name)
+
+
+def leftovers(parent: Path, out: Path) -> list[str]:
+    """Entries of ``parent`` other than ``out``, e.g. a staging directory left behind."""
+    return sorted(entry.name for entry in parent.iterdir() if entry != out)
+
+
+def base_config(**overrides) -> dict:
+    """A minimal Hugging Face T5 config.json, as a dict."""
+    config = {
+        "model_type": "t5",
+        "vocab_size": 200,
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+    }
+    config.update(overrides)
+    return config
+
+
+# --- the output directory --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["relu_tied", "gated_untied"])
+def test_output_is_self_contained(name, converted, hf_checkpoint):
+    """weights.npz, config.json and the tokenizer: enough to load model and tokenizer."""
+    out = converted(name)
+    files = {file.name for file in out.iterdir()}
+    assert {"weights.npz", "config.json", "tokenizer_config.json"} <= files
+    assert files & {"tokenizer.json", "spiece.model"}, files
+    assert leftovers(out.parent, out) == []
+
+    model = load_model(out)
+    tokenizer = load_tokenizer(out)
+    source_tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint(name), local_files_only=True)
+    assert tokenizer(TEXT).input_ids == source_tokenizer(TEXT).input_ids
+    assert len(tokenizer) == model.args.vocab_size
+    logits = model(mx.array([tokenizer(TEXT).input_ids]), mx.array([[0, 5, 7]]))
+    assert logits.shape == (1, 3, model.args.vocab_size)
+
+
+@pytest.mark.parametrize(
+    ("name", "tied", "scaled"),
+    [("relu_tied", True, True), ("gated_untied", False, False)],
+)
+def test_config_tie_and_scale(name, tied, scaled, converted):
+    """Original T5 shares its output projection and scales; T5 v1.1 does neither."""
+    out = converted(name)
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied
+    assert config["scale_decoder_outputs"] is scaled
+    assert config["model_type"] == "t5"
+    assert ("lm_head.weight" in mx.load(str(out / "weights.npz"))) is not tied
+    args = load_model(out).args
+    assert (args.tie_word_embeddings, args.scale_decoder_outputs) == (tied, scaled)
+
+
+def test_default_output_names():
+    assert convert.default_output("t5-small") == Path("mlx_models/t5-small")
+    assert convert.default_output("google/flan-t5-large") == Path("mlx_models/google-flan-t5-large")
+
+
+def test_default_output_of_a_local_directory(tmp_path):
+    checkpoint = tmp_path / "some" / "my-t5"
+    checkpoint.mkdir(parents=True)
+    assert convert.default_output(str(checkpoint)) == Path("mlx_models/my-t5")
+
+
+# --- model_config ----------------------------------------------------------------
+
+
+def test_model_config_old_style_v1_1_is_not_scaled():
+    """Hub T5 v1.1 configs carry only ``tie_word_embeddings: false``."""
+    config = convert.model_config(base_config(tie_word_embeddings=False), has_lm_head=True)
+    assert config["scale_decoder_outputs"] is False
+    assert config["tie_word_embeddings"] is False
+
+
+def test_model_config_transformers_5_style_is_not_scaled():
+    """transformers 5 writes ``scale_decoder_outputs`` and forces ``tie_word_embeddings: true``."""
+    hf_config = base_config(scale_decoder_outputs=False, tie_word_embeddings=True)
+    config = convert.model_config(hf_config, has_lm_head=True)
+    assert config["scale_decoder_outputs"] is False
+    assert config["tie_word_embeddings"] is False
+
+
+def test_model_config_original_t5_is_scaled():
+    config = convert.model_config(base_config(), has_lm_head=False)
+    assert config["scale_decoder_outputs"] is True
+    assert config["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize("has_lm_head", [True, False])
+@pytest.mark.parametrize("config_says_tied", [True, False, None])
+def test_model_config_tying_follows_the_weights(has_lm_head, config_says_tied):
+    """Whatever config.json says, the output projection is untied iff lm_head.weight exists."""
+    overrides = {} if config_says_tied is None else {"tie_word_embeddings": config_says_tied}
+    config = convert.model_config(base_config(**overrides), has_lm_head=has_lm_head)
+    assert config["tie_word_embeddings"] is (not has_lm_head)
+
+
+def test_model_config_eos_list_is_normalized():
+    config = convert.model_config(base_config(eos_token_id=[1, 7]), has_lm_head=False)
+    assert config["eos_token_id"] == 1
+
+
+def test_model_config_decoder_layers_default_to_encoder_layers():
+    config = convert.model_config(base_config(num_decoder_layers=None), has_lm_head=False)
+    assert config["num_decoder_layers"] == 2
+    config = convert.model_config(base_config(num_decoder_layers=3), has_lm_head=False)
+    assert config["num_decoder_layers"] == 3
+
+
+def test_model_config_defaults_and_fields():
+    """Every written field is a ModelArgs field; absent optional fields get T5 defaults."""
+    config = convert.model_config(
+        base_config(model_type="mt5", decoder_start_token_id=None), has_lm_head=False
+    )
+    assert config["model_type"] == "t5"
+    assert config["decoder_start_token_id"] == 0
+    assert config["eos_token_id"] == 1
+    assert config["pad_token_id"] == 0
+    assert config["feed_forward_proj"] == "relu"
+    assert config["relative_attention_num_buckets"] == 32
+    assert config["relative_attention_max_distance"] == 128
+    args = ModelArgs.from_dict(config)
+    assert {key for key in config if key != "model_type"} <= set(vars(args))
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "bart", None])
+def test_model_config_rejects_other_models(model_type):
+    with pytest.raises(ValueError, match="model_type"):
+        convert.model_config(base_config(model_type=model_type), has_lm_head=False)
+
+
+# --- weight formats --------------------------------------------------------------
+
+
+def test_sharded_safetensors_match_single_file(tmp_path, hf_checkpoint, converted):
+    """A model.safetensors.index.json with two shards converts to the same weights."""
+    source = hf_checkpoint("gated_untied")
+    sharded = copy_checkpoint(source, tmp_path / "sharded", without=(HF_WEIGHTS,))
+    tensors = load_file(source / HF_WEIGHTS)
+    names = sorted(tensors)
+    halves = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
+    weight_map = {}
+    for shard, shard_names in halves.items():
+        save_file({n: tensors[n] for n in shard_names}, sharded / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard_names, shard))
+    total_size = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    out = convert.convert(str(sharded), tmp_path / "out", "float32")
+    assert_same_weights(out, converted("gated_untied"))
+    assert (out / "config.json").read_text() == (
+        converted("gated_untied") / "config.json"
+    ).read_text()
+
+
+def test_missing_shard_is_reported(tmp_path, hf_checkpoint):
+    source = hf_checkpoint("relu_tied")
+    checkpoint = copy_checkpoint(source, tmp_path / "ckpt", without=(HF_WEIGHTS,))
+    index = {"weight_map": {"shared.weight": "model-00001-of-00001.safetensors"}}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="missing weight file"):
+        convert.convert(str(checkpoint), tmp_path / "out", "float32")
+    assert not (tmp_path / "out").exists()
+
+
+def bin_checkpoint(source: Path, destination: Path) -> Path:
+    """A copy of ``source`` whose weights are only in pytorch_model.bin."""
+    checkpoint = copy_checkpoint(source, destination, without=(HF_WEIGHTS,))
+    torch.save(load_file(source / HF_WEIGHTS), checkpoint / "pytorch_model.bin")
+    return checkpoint
+
+
+def test_pytorch_bin_matches_safetensors(tmp_path, hf_checkpoint, converted):
+    checkpoint = bin_checkpoint(hf_checkpoint("gated_untied"), tmp_path / "bin")
+    out = convert.convert(str(checkpoint), tmp_path / "out", "float32")
+    reference = converted("gated_untied")
+    assert_same_weights(out, reference)
+
+    rng = np.random.default_rng(0)
+    inputs = mx.array(rng.integers(3, 200, size=(2, 11)))
+    decoder_inputs = rng.integers(3, 200, size=(2, 7))
+    decoder_inputs[:, 0] = 0
+    decoder_inputs = mx.array(decoder_inputs)
+    logits = np.array(load_model(out)(inputs, decoder_inputs))
+    expected = np.array(load_model(reference)(inputs, decoder_inputs))
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-6)
+
+
+def test_pytorch_bin_is_read_with_weights_only(tmp_path, hf_checkpoint, monkeypatch):
+    checkpoint = bin_checkpoint(hf_checkpoint("relu_tied"), tmp_path / "bin")
+    calls = []
+    real_load = torch.load
+
+    def recording_load(*args, **kwargs):
+        calls.append(kwargs)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    convert.convert(str(checkpoint), tmp_path / "out", "float32")
+    assert calls, "torch.load was not called"
+    assert all(kwargs.get("weights_only") is True for kwargs in calls), calls
+
+
+class CreatesFileWhenUnpickled:
+    """Unpickling this calls ``open(path, "w")``: code run by merely reading a checkpoint."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def write_code_running_bin(file: Path, marker: Path) -> None:
+    torch.save({"shared.weight": CreatesFileWhenUnpickled(marker)}, file)
+
+
+def write_garbage(file: Path, marker: Path) -> None:
+    file.write_bytes(random.Random(0).randbytes(4096))
+
+
+def write_truncated_safetensors(file: Path, marker: Path) -> None:
+    file.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
+
+
+@pytest.mark.parametrize(
+    ("file_name", "write"),
+    [
+        ("pytorch_model.bin", write_code_running_bin),
+        ("pytorch_model.bin", write_garbage),
+        ("model.safetensors", write_garbage),
+        ("model.safetensors", write_truncated_safetensors),
+    ],
+    ids=["bin-running-code", "bin-garbage", "safetensors-garbage", "safetensors-truncated"],
+)
+def test_unreadable_weights_give_one_line_error(file_name, write, tmp_path, hf_checkpoint, capsys):
+    """Bad weight files end the CLI with ``error: ...``; a pickle never runs code."""
+    checkpoint = copy_checkpoint(
+        hf_checkpoint("relu_tied"), tmp_path / "ckpt", without=(HF_WEIGHTS,)
+    )
+    marker = tmp_path / "unpickling-ran-code"
+    write(checkpoint / file_name, marker)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    try:
+        code = convert.main(["--model", str(checkpoint), "--out", str(out)])
+    except Exception as error:  # noqa: BLE001 - an escaping exception is the failure tested
+        pytest.fail(
+            f"convert.main let {type(error).__name__} escape for an unreadable {file_name} "
+            f"(the CLI prints a traceback): {str(error).splitlines()[0]}"
+        )
+    assert not marker.exists(), "reading the checkpoint ran code from the pickle"
+    assert code != 0
+    message = assert_one_line_error(capsys.readouterr().err)
+    assert file_name in message
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_dtype_of_converted_weights(dtype, converted):
+    out = converted("relu_tied", dtype)
+    weights = mx.load(str(out / "weights.npz"))
+    assert weights
+    assert {w.dtype for w in weights.values()} == {getattr(mx, dtype)}
+    assert load_model(out).dtype == getattr(mx, dtype)
+
+
+def test_bfloat16_weights_are_rounded_float32_weights(converted):
+    low = read_weights(converted("relu_tied", "bfloat16"))
+    full = read_weights(converted("relu_tied", "float32"))
+    for name, value in full.items():
+        np.testing.assert_allclose(low[name], value, rtol=2**-8, atol=0, err_msg=name)
+
+
+# --- atomic output ---------------------------------------------------------------
+
+
+def failing_savez(error: BaseException):
+    """An ``mx.savez`` that writes part of the file, then fails with ``error``."""
+
+    def savez(file, *args, **kwargs):
+        Path(file).write_bytes(b"PK\x03\x04 partial")
+        raise error
+
+    return savez
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {file.name: file.read_bytes() for file in sorted(directory.iterdir())}
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path, hf_checkpoint, monkeypatch):
+    parent = tmp_path / "mlx_models"
+    out = parent / "tiny"
+    monkeypatch.setattr(convert.mx, "savez", failing_savez(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert(str(hf_checkpoint("relu_tied")), out, "float32")
+    assert not out.exists()
+    assert leftovers(parent, out) == []
+
+
+def test_failed_conversion_keeps_the_previous_one(tmp_path, hf_checkpoint, monkeypatch, capsys):
+    """A failure while writing (disk full) keeps the earlier good conversion intact."""
+    out = tmp_path / "tiny"
+    convert.convert(str(hf_checkpoint("relu_tied")), out, "float32")
+    before = snapshot(out)
+    monkeypatch.setattr(convert.mx, "savez", failing_savez(OSError(28, "No space left on device")))
+    capsys.readouterr()
+    code = convert.main(["--model", str(hf_checkpoint("gated_untied")), "--out", str(out)])
+    assert code != 0
+    assert "No space left on device" in assert_one_line_error(capsys.readouterr().err)
+    assert snapshot(out) == before
+    assert leftovers(tmp_path, out) == []
+    load_model(out)
+
+
+def test_reconversion_replaces_the_output(tmp_path, hf_checkpoint):
+    out = tmp_path / "tiny"
+    convert.convert(str(hf_checkpoint("relu_tied")), out, "float32")
+    (out / "stale-file").write_text("from an earlier run")
+    convert.convert(str(hf_checkpoint("gated_untied")), out, "bfloat16")
+    assert not (out / "stale-file").exists()
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert {w.dtype for w in mx.load(str(out / "weights.npz")).values()} == {mx.bfloat16}
+    assert leftovers(tmp_path, out) == []
+
+
+def test_output_directory_has_ordinary_permissions(tmp_path, hf_checkpoint):
+    """The output is staged with tempfile.mkdtemp (mode 0700); once in place it should
+    have the mode of any directory created under the current umask."""
+    out = convert.convert(str(hf_checkpoint("relu_tied")), tmp_path / "tiny", "float32")
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    assert oct(out.stat().st_mode & 0o777) == oct(reference.stat().st_mode & 0o777), (
+        "convert.py leaves the output directory with tempfile.mkdtemp's private mode 0700"
+    )
+
+
+# --- the command line --------------------------------------------------------------
+
+
+def test_cli_converts_and_prints_a_working_command(tmp_path, hf_checkpoint):
+    """Default output mlx_models/<directory name>; the printed main.py command runs."""
+    checkpoint = copy_checkpoint(hf_checkpoint("relu_tied"), tmp_path / "tiny-t5")
+    result = run_convert("--model", str(checkpoint), "--dtype", "float32", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = Path("mlx_models") / "tiny-t5"
+    assert (tmp_path / out / "weights.npz").is_file()
+    assert f"Saved to {out}" in result.stdout
+    commands = [line for line in result.stdout.splitlines() if "python main.py" in line]
+    assert any(f"--model-name {out}" in line for line in commands), result.stdout
+    assert any(f"--draft-model-name {out}" in line for line in commands), result.stdout
+
+    command = next(line for line in commands if "--model-name" in line)
+    main_args = command.split("python main.py", 1)[1].split()
+    run = subprocess.run(
+        [sys.executable, str(MAIN_PY), *main_args, "--regular-decode", "-m", "3", "--prompt", TEXT],
+        check=False,
+        cwd=tmp_path,
+        env=offline_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "tokens generated:" in run.stdout
+
+
+def make_no_config(checkpoint: Path) -> None:
+    (checkpoint / "config.json").unlink()
+
+
+def make_no_tokenizer(checkpoint: Path) -> None:
+    for name in (
+        "spiece.model",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
+        (checkpoint / name).unlink(missing_ok=True)
+
+
+def make_gpt2_config(checkpoint: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (checkpoint / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [(make_no_config, "config.json"), (make_no_tokenizer, "tokenizer"), (make_gpt2_config, "gpt2")],
+    ids=["no-config", "no-tokenizer", "gpt2-config"],
+)
+def test_cli_rejects_bad_checkpoint_directories(damage, expected, tmp_path, hf_checkpoint):
+    checkpoint = copy_checkpoint(hf_checkpoint("relu_tied"), tmp_path / "ckpt")
+    damage(checkpoint)
+    result = run_convert("--model", str(checkpoint), cwd=tmp_path)
+    assert result.returncode != 0
+    assert expected in assert_one_line_error(result.stderr)
+    assert not (tmp_path / "mlx_models").exists()
+
+
+@pytest.mark.parametrize("name", ["no-such-t5-model", "no-such-org/no-such-t5"])
+def test_cli_rejects_unknown_model_names(name, tmp_path):
+    result = run_convert("--model", name, cwd=tmp_path)
+    assert result.returncode != 0
+    assert name in assert_one_line_error(result.stderr)
+    assert not (tmp_path / "mlx_models").exists()
+
+
+def test_cli_rejects_an_unknown_dtype(tmp_path, hf_checkpoint):
+    result = run_convert(
+        "--model", str(hf_checkpoint("relu_tied")), "--dtype", "float64", cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "invalid choice: 'float64'" in result.stderr
+    assert not (tmp_path / "mlx_models").exists()

@@ -1,0 +1,287 @@
+"""Speculative decoding keeps the main model's output: greedy identity,
+acceptance rules, delta, max_tokens, EOS and draft compatibility."""
+
+import dataclasses
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from fixtures import load_hf, train_tokenizer
+
+from decoder import (
+    IncompatibleDraftError,
+    Sampling,
+    SpeculativeDecoder,
+    _catch_up,
+    check_draft_compatible,
+    check_draft_directories,
+    verify,
+)
+
+PROMPTS = [
+    "translate English to German: the house is small and the garden is green.",
+    "summarize: the children walked to the old market by the river in the morning.",
+    "question: where is the big red book? context: the book lies on the kitchen table.",
+    "translate English to French: we are going to the sea tomorrow.",
+]
+
+
+@pytest.mark.parametrize("num_draft", [1, 2, 3, 5, 8])
+def test_greedy_speculative_output_equals_greedy_main_model(num_draft, decoding_pair):
+    model, draft_model, tokenizer = decoding_pair
+    decoder = SpeculativeDecoder(model, draft_model, tokenizer, num_draft=num_draft)
+    proposed = accepted = rejected = steps = generated = 0
+    for prompt in PROMPTS:
+        regular = decoder.generate(prompt, max_tokens=40)
+        speculative = decoder.speculative_decode(prompt, max_tokens=40)
+        assert speculative.tokens == regular.tokens
+        assert speculative.text == regular.text
+        assert regular.n_steps == len(regular.tokens) + (len(regular.tokens) < 40)
+        proposed += speculative.n_draft
+        accepted += speculative.n_accepted
+        rejected += speculative.n_rejected
+        steps += speculative.n_steps
+        generated += len(speculative.tokens)
+    # The draft agrees often but not always, so both paths (all accepted,
+    # rejection then cache trim) were exercised.
+    assert 0.3 < accepted / proposed < 0.97
+    assert rejected > 0
+    if num_draft > 1:
+        assert steps < generated
+
+
+def test_regular_greedy_decoding_equals_transformers_generate(decoding_pair, main_checkpoint):
+    model, _, tokenizer = decoding_pair
+    hf_model = load_hf(main_checkpoint)
+    decoder = SpeculativeDecoder(model, None, tokenizer)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            expected = hf_model.generate(ids, max_new_tokens=30, do_sample=False, num_beams=1)
+        expected = expected[0, 1:].tolist()  # without the start token
+        if model.args.eos_token_id in expected:
+            expected = expected[: expected.index(model.args.eos_token_id)]
+        tokens = decoder.generate(prompt, max_tokens=30).tokens
+        assert tokens == expected
+        assert len(set(tokens)) > 3  # a varied output, not a one-token loop
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_delta_one_accepts_every_draft_token(temp, decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=4, delta=1.0)
+    for prompt in PROMPTS:
+        result = decoder.speculative_decode(prompt, max_tokens=30, temp=temp, seed=3)
+        assert result.n_draft > 0
+        assert result.n_accepted == result.n_draft
+        assert result.n_rejected == 0
+
+
+def random_round(seed, num_draft=6, vocab_size=50):
+    """Draft tokens, their draft distributions and main-model logits that
+    disagree in places, as one speculative round would produce them."""
+    rng = np.random.default_rng(seed)
+    main_logits = mx.array(rng.normal(size=(num_draft + 1, vocab_size)) * 2)
+    draft_logits = main_logits[:num_draft] + mx.array(rng.normal(size=(num_draft, vocab_size)))
+    return main_logits, draft_logits
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_acceptance_never_decreases_as_delta_grows(temp):
+    sampling = Sampling(temp=temp)
+    deltas = [0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0]
+    increased = False
+    for seed in range(30):
+        main_logits, draft_logits = random_round(seed)
+        mx.random.seed(seed)
+        draft_tokens, draft_probs = sampling.sample(draft_logits)
+        counts = []
+        for delta in deltas:
+            mx.random.seed(1000 + seed)  # the same uniforms for every delta
+            counts.append(verify(draft_tokens, draft_probs, main_logits, sampling, delta)[0].item())
+        assert counts == sorted(counts)
+        assert counts[-1] == len(draft_tokens)
+        increased |= counts[0] < counts[-1]
+    assert increased
+
+
+def test_greedy_delta_accepts_only_tokens_the_main_model_rates_highly():
+    # The main model's probabilities at the draft token's position: 0.5 for
+    # token 0, 0.4 for token 1 (the draft's choice), 0.1 for token 2.
+    main_logits = mx.log(mx.array([[0.5, 0.4, 0.1], [0.2, 0.3, 0.5]]))
+    draft_tokens = mx.array([1])
+    greedy = Sampling(temp=0.0)
+
+    def run(delta):
+        num_accepted, next_token = verify(draft_tokens, None, main_logits, greedy, delta)
+        return num_accepted.item(), next_token.item()
+
+    # Token 1 has 0.8 of the top probability: accepted once 1 - delta <= 0.8.
+    assert run(0.0) == (0, 0)
+    assert run(0.1) == (0, 0)  # rejected, replaced by the main model's argmax
+    assert run(0.25) == (1, 2)  # accepted, then the main model's next argmax
+    assert run(1.0) == (1, 2)
+
+
+def test_sampling_rule_matches_the_paper_on_one_position():
+    """Acceptance probability min(1, p/q) and residual max(0, p - q), by counting."""
+    p = np.array([0.6, 0.3, 0.1])
+    q = np.array([0.2, 0.5, 0.3])
+    main_logits = mx.log(mx.array(np.stack([p, p])))
+    sampling = Sampling(temp=1.0)
+    mx.random.seed(0)
+    counts = {token: np.zeros(3) for token in range(3)}
+    accepted = {token: 0 for token in range(3)}
+    trials = 4000
+    for token in range(3):
+        for _ in range(trials):
+            num_accepted, next_token = verify(
+                mx.array([token]), mx.array(q[None]), main_logits, sampling, 0.0
+            )
+            if num_accepted.item() == 1:
+                accepted[token] += 1
+            else:
+                counts[token][next_token.item()] += 1
+    for token in range(3):
+        rate = accepted[token] / trials
+        assert abs(rate - min(1.0, p[token] / q[token])) < 0.03
+    # Rejections happen only for tokens 1 and 2 and resample token 0 only,
+    # the sole token where p > q.
+    assert counts[0].sum() == 0
+    assert counts[1][1:].sum() == 0 and counts[2][1:].sum() == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 16])
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_never_more_than_max_tokens(max_tokens, temp, decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=5)
+    full = decoder.generate(PROMPTS[0], max_tokens=40)
+    assert len(full.tokens) == 40  # no EOS in the first 40 tokens of this prompt
+    regular = decoder.generate(PROMPTS[0], max_tokens=max_tokens, temp=temp, seed=5)
+    speculative = decoder.speculative_decode(PROMPTS[0], max_tokens=max_tokens, temp=temp, seed=5)
+    assert len(regular.tokens) == max_tokens
+    assert len(speculative.tokens) == max_tokens
+    if temp == 0:
+        assert speculative.tokens == full.tokens[:max_tokens]
+
+
+def with_eos(model, eos):
+    """The same weights, reading ``eos`` as the end of sequence."""
+    changed = type(model)(dataclasses.replace(model.args, eos_token_id=eos))
+    changed.update(model.parameters())
+    return changed
+
+
+@pytest.mark.parametrize("num_draft", [1, 3, 8])
+def test_stops_at_eos_also_inside_a_draft(num_draft, decoding_pair):
+    model, draft_model, tokenizer = decoding_pair
+    full = SpeculativeDecoder(model, None, tokenizer).generate(PROMPTS[1], max_tokens=40).tokens
+    # Declare a token of the greedy output the end of sequence: decoding
+    # must stop right before its first occurrence.
+    eos = full[9]
+    stop = full.index(eos)
+    assert stop >= 2
+    decoder = SpeculativeDecoder(
+        with_eos(model, eos), with_eos(draft_model, eos), tokenizer, num_draft=num_draft
+    )
+    regular = decoder.generate(PROMPTS[1], max_tokens=40)
+    speculative = decoder.speculative_decode(PROMPTS[1], max_tokens=40)
+    assert regular.tokens == full[:stop]
+    assert speculative.tokens == full[:stop]
+    assert eos not in speculative.tokens
+
+
+def test_same_seed_same_sample(decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=3)
+    first = decoder.speculative_decode(PROMPTS[2], max_tokens=30, temp=1.0, seed=11)
+    second = decoder.speculative_decode(PROMPTS[2], max_tokens=30, temp=1.0, seed=11)
+    other = decoder.speculative_decode(PROMPTS[2], max_tokens=30, temp=1.0, seed=12)
+    assert first.tokens == second.tokens
+    assert first.tokens != other.tokens
+
+
+def test_stream_yields_growing_results(decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=3)
+    lengths, texts = [], []
+    for result in decoder.stream(PROMPTS[0], max_tokens=20):
+        lengths.append(len(result.tokens))
+        texts.append(result.text)
+    assert lengths == sorted(lengths) and lengths[-1] == 20
+    assert len(lengths) > 1
+    assert texts[-1] == decoder.generate(PROMPTS[0], max_tokens=20).text
+
+
+def test_prompt_may_be_token_ids(decoding_pair):
+    model, draft_model, tokenizer = decoding_pair
+    decoder = SpeculativeDecoder(model, draft_model, tokenizer)
+    ids = tokenizer(PROMPTS[3]).input_ids
+    assert decoder.speculative_decode(ids, max_tokens=10).tokens == (
+        decoder.speculative_decode(PROMPTS[3], max_tokens=10).tokens
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temp": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top-p"),
+        ({"top_p": 1.5}, "top-p"),
+        ({"top_k": -2}, "top-k"),
+    ],
+)
+def test_bad_generation_arguments_are_refused(kwargs, message, decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair)
+    with pytest.raises(ValueError, match=message):
+        decoder.speculative_decode(PROMPTS[0], **kwargs)
+
+
+def test_bad_decoder_arguments_are_refused(decoding_pair):
+    with pytest.raises(ValueError, match="num_draft"):
+        SpeculativeDecoder(*decoding_pair, num_draft=0)
+    with pytest.raises(ValueError, match="delta"):
+        SpeculativeDecoder(*decoding_pair, delta=1.5)
+    with pytest.raises(ValueError, match="empty"):
+        SpeculativeDecoder(*decoding_pair).generate("   ")
+
+
+def test_catch_up_trims_to_the_accepted_prefix_and_feeds_the_rest(decoding_pair):
+    model = decoding_pair[0]
+    cache = model.make_cache(model.encode(mx.array([[5, 6, 7, 1]])))
+    model.decode(mx.array([[0, 11, 12, 13, 14]]), cache)
+    # Accepted: start, 11, 12, then a replacement 20. Positions for 13 and
+    # 14 go; 20 is the next input.
+    assert _catch_up(cache, [0, 11, 12, 20]) == [20]
+    assert cache.offset == 3
+    # A draft that never processed its last accepted token gets it back too.
+    assert _catch_up(cache, [0, 11, 12, 20, 21, 22]) == [20, 21, 22]
+    assert cache.offset == 3
+
+
+def test_draft_with_another_vocabulary_size_is_refused(decoding_pair):
+    model = decoding_pair[0]
+    args = dataclasses.replace(model.args, vocab_size=model.args.vocab_size + 8)
+    with pytest.raises(IncompatibleDraftError, match="main.*vocab_size|vocab_size.*main"):
+        check_draft_compatible(model.args, args, "big-model", "small-model")
+    with pytest.raises(IncompatibleDraftError) as error:
+        check_draft_compatible(model.args, args, "big-model", "small-model")
+    assert "big-model" in str(error.value) and "small-model" in str(error.value)
+    wrong_draft = type(model)(args)
+    with pytest.raises(IncompatibleDraftError):
+        SpeculativeDecoder(model, wrong_draft, decoding_pair[2])
+
+
+def test_draft_with_another_tokenizer_is_refused(converted_pair, tmp_path):
+    main_dir, draft_dir = converted_pair
+    check_draft_directories(main_dir, draft_dir)  # the real pair is compatible
+    other = tmp_path / "other-draft"
+    shutil.copytree(draft_dir, other)
+    for file in other.iterdir():
+        if file.name not in ("config.json", "weights.npz"):
+            file.unlink()
+    train_tokenizer(other, vocab_size=150)
+    with pytest.raises(IncompatibleDraftError) as error:
+        check_draft_directories(main_dir, other)
+    assert str(main_dir) in str(error.value) and str(other) in str(error.value)
+    assert "tokenizer" in str(error.value)

@@ -1,0 +1,147 @@
+"""The MLX T5 computes the same function as transformers' T5 (torch, float32)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from fixtures import load_hf
+from transformers.models.t5.modeling_t5 import T5Attention
+
+import model as model_module
+from model import load_model, relative_position_bucket
+
+PARITY_CONFIGS = ["relu_tied", "gated_untied", "deep_decoder", "wide_heads"]
+
+
+def random_ids(shape, vocab_size, seed):
+    # Ids from 3 up: no padding, EOS or unknown token inside the inputs.
+    return np.random.default_rng(seed).integers(3, vocab_size, size=shape)
+
+
+@pytest.mark.parametrize("name", PARITY_CONFIGS)
+def test_logits_match_transformers(name, hf_checkpoint, converted):
+    hf_model = load_hf(hf_checkpoint(name))
+    model = load_model(converted(name))
+    vocab_size = model.args.vocab_size
+    inputs = random_ids((2, 23), vocab_size, seed=1)
+    decoder_inputs = random_ids((2, 17), vocab_size, seed=2)
+    decoder_inputs[:, 0] = 0
+    # The second prompt is shorter: padding must not change its logits.
+    mask = np.ones_like(inputs)
+    mask[1, 15:] = 0
+    with torch.no_grad():
+        expected = hf_model(
+            input_ids=torch.tensor(inputs),
+            attention_mask=torch.tensor(mask),
+            decoder_input_ids=torch.tensor(decoder_inputs),
+        ).logits.numpy()
+    logits = model(mx.array(inputs), mx.array(decoder_inputs), mx.array(mask))
+    assert logits.shape == expected.shape
+    assert np.abs(np.array(logits) - expected).max() <= 1e-4
+    # The fixture is not degenerate: positions disagree on their argmax.
+    assert len(set(expected.argmax(-1).ravel().tolist())) > 3
+
+
+def test_untied_fixture_uses_its_own_output_projection(converted):
+    model = load_model(converted("gated_untied"))
+    assert not model.args.tie_word_embeddings
+    assert not model.args.scale_decoder_outputs
+    assert not mx.array_equal(model.lm_head.weight, model.shared.weight)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_position_buckets_match_transformers(bidirectional):
+    distances = np.arange(-700, 700)
+    expected = T5Attention._relative_position_bucket(
+        torch.tensor(distances), bidirectional=bidirectional, num_buckets=32, max_distance=128
+    ).numpy()
+    buckets = relative_position_bucket(mx.array(distances), bidirectional, 32, 128)
+    np.testing.assert_array_equal(np.array(buckets), expected)
+
+
+def decode_step_by_step(model, inputs, decoder_inputs, chunks):
+    """Logits from feeding the decoder ``decoder_inputs`` in pieces of the given sizes."""
+    cache = model.make_cache(model.encode(inputs))
+    logits, start = [], 0
+    for size in chunks:
+        logits.append(model.decode(decoder_inputs[:, start : start + size], cache))
+        start += size
+    assert cache.offset == decoder_inputs.shape[1]
+    return mx.concatenate(logits, axis=1)
+
+
+@pytest.mark.parametrize("name", ["relu_tied", "gated_untied"])
+def test_cached_decoding_equals_full_sequence(name, converted):
+    model = load_model(converted(name))
+    inputs = mx.array(random_ids((1, 12), model.args.vocab_size, seed=3))
+    decoder_inputs = mx.array(random_ids((1, 20), model.args.vocab_size, seed=4))
+    full = model(inputs, decoder_inputs)
+    one_at_a_time = decode_step_by_step(model, inputs, decoder_inputs, [1] * 20)
+    uneven = decode_step_by_step(model, inputs, decoder_inputs, [1, 4, 2, 6, 7])
+    assert mx.abs(one_at_a_time - full).max().item() < 1e-5
+    assert mx.abs(uneven - full).max().item() < 1e-5
+
+
+def test_trim_then_decode_equals_never_feeding_those_tokens(converted):
+    model = load_model(converted("relu_tied"))
+    inputs = mx.array(random_ids((1, 10), model.args.vocab_size, seed=5))
+    prefix = mx.array(random_ids((1, 7), model.args.vocab_size, seed=6))
+    wrong = mx.array(random_ids((1, 5), model.args.vocab_size, seed=7))
+    right = mx.array(random_ids((1, 4), model.args.vocab_size, seed=8))
+
+    cache = model.make_cache(model.encode(inputs))
+    model.decode(prefix, cache)
+    model.decode(wrong, cache)
+    assert cache.trim(5) == 5
+    assert cache.offset == 7
+    assert all(layer.offset == 7 for layer in cache.self_attn)
+    after_trim = model.decode(right, cache)
+
+    expected = model(inputs, mx.concatenate([prefix, right], axis=1))[:, 7:]
+    assert mx.abs(after_trim - expected).max().item() < 1e-5
+
+
+def test_cache_grows_past_its_first_chunk(converted):
+    model = load_model(converted("relu_tied"))
+    inputs = mx.array(random_ids((1, 6), model.args.vocab_size, seed=9))
+    # 300 positions: beyond the cache's first 256-position chunk.
+    decoder_inputs = mx.array(random_ids((1, 300), model.args.vocab_size, seed=10))
+    chunked = decode_step_by_step(model, inputs, decoder_inputs, [250, 1, 49])
+    assert mx.abs(chunked - model(inputs, decoder_inputs)).max().item() < 1e-5
+
+
+def test_float16_stays_finite_where_activations_overflow(converted, monkeypatch):
+    """T5 v1.0 residual streams outgrow float16; clamping keeps logits finite."""
+    reference = load_model(converted("overflowing"))
+    inputs = mx.array(random_ids((1, 12), reference.args.vocab_size, seed=11))
+    decoder_inputs = mx.array(random_ids((1, 6), reference.args.vocab_size, seed=12))
+    # In float32 the fixture's residual stream really leaves float16's range.
+    hidden = reference.shared(inputs)
+    layer_mask = reference.encoder.position_bias(12, 12)
+    hidden = reference.encoder.layers[0](hidden, layer_mask)
+    assert mx.abs(hidden).max().item() > float(mx.finfo(mx.float16).max)
+
+    half = load_model(converted("overflowing", dtype="float16"))
+    assert mx.isfinite(half(inputs, decoder_inputs)).all().item()
+    # Without the clamp the same computation overflows, so the check above can fail.
+    monkeypatch.setattr(model_module, "clamp_float16", lambda x: x)
+    assert not mx.isfinite(half(inputs, decoder_inputs)).all().item()
+
+
+def test_bfloat16_is_close_to_float32(converted):
+    model32 = load_model(converted("relu_tied"))
+    model16 = load_model(converted("relu_tied", dtype="bfloat16"))
+    assert model16.dtype == mx.bfloat16
+    inputs = mx.array(random_ids((1, 12), model32.args.vocab_size, seed=13))
+    decoder_inputs = mx.array(random_ids((1, 8), model32.args.vocab_size, seed=14))
+    logits32 = model32(inputs, decoder_inputs)
+    logits16 = model16(inputs, decoder_inputs).astype(mx.float32)
+    assert mx.isfinite(logits16).all().item()
+    # bfloat16 keeps 8 bits of mantissa, and these random models amplify
+    # round-off, so compare on average rather than element by element.
+    print(
+        "BF",
+        (mx.abs(logits16 - logits32).mean() / mx.abs(logits32).mean()).item(),
+        (logits16.argmax(-1) == logits32.argmax(-1)).mean().item(),
+    )
+    assert (mx.abs(logits16 - logits32).mean() / mx.abs(logits32).mean()).item() < 0.1

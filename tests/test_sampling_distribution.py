@@ -1,0 +1,165 @@
+"""At temperature > 0, speculative sampling draws from the main model's own
+distribution (Leviathan et al., Theorem 1).
+
+The exact distribution of the first two generated tokens follows from the
+main model's logits: P(y1, y2) = p(y1) p(y2 | y1). Thousands of seeded
+speculative runs give an empirical distribution; a chi-square test on the
+likeliest outcomes plus a "rest" bucket compares the two. The same test is
+shown to reject deliberately wrong acceptance rules, so it has the power to
+catch them.
+"""
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from scipy.stats import chisquare
+
+import decoder as decoder_module
+from decoder import Sampling, SpeculativeDecoder
+
+PROMPT = "translate English to German: the old man walks to the market."
+RUNS = 2000
+TEMP = 0.6
+NUM_DRAFT = 2
+# 3 tokens are generated so that the first round drafts 2 of them: the
+# second draft token is judged given the first.
+MAX_TOKENS = NUM_DRAFT + 1
+
+
+def exact_distribution(model, prompt_ids, sampling: Sampling) -> dict[tuple, float]:
+    """Probability of each possible output prefix of (at most) two tokens;
+    a prefix ends early where the end-of-sequence token was drawn."""
+    eos, start = model.args.eos_token_id, model.args.decoder_start_token_id
+    vocab_size = model.args.vocab_size
+    first = sampling.probabilities(model(prompt_ids, mx.array([[start]]))[0, -1])
+    # Every first token at once: a batch of [start, y1] decoder inputs.
+    decoder_inputs = mx.stack([mx.full((vocab_size,), start), mx.arange(vocab_size)], axis=1)
+    prompts = mx.repeat(prompt_ids, vocab_size, axis=0)
+    second = sampling.probabilities(model(prompts, decoder_inputs)[:, -1])
+    joint = (first[:, None] * second).tolist()
+    first = first.tolist()
+    distribution = Counter({(): first[eos]})
+    for y1 in range(vocab_size):
+        if y1 == eos or first[y1] == 0:
+            continue
+        for y2 in range(vocab_size):
+            if joint[y1][y2] > 0:
+                distribution[(y1,) if y2 == eos else (y1, y2)] += joint[y1][y2]
+    return distribution
+
+
+def sample_outputs(decoder: SpeculativeDecoder, sampling: Sampling) -> Counter:
+    counts = Counter()
+    for seed in range(RUNS):
+        result = decoder.speculative_decode(
+            PROMPT,
+            max_tokens=MAX_TOKENS,
+            temp=sampling.temp,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=seed,
+        )
+        counts[tuple(result.tokens[:2])] += 1
+    return counts
+
+
+def chi_square_p_value(counts: Counter, distribution: dict[tuple, float]) -> float:
+    """Chi-square goodness of fit on the outcomes expected at least 5 times,
+    with every other outcome pooled into one bucket."""
+    likely = [o for o, p in distribution.items() if p * RUNS >= 5]
+    observed = [counts[o] for o in likely]
+    expected = [distribution[o] * RUNS for o in likely]
+    observed.append(RUNS - sum(observed))
+    expected.append(RUNS - sum(expected))
+    assert len(likely) >= 3, "too few likely outcomes for a meaningful test"
+    assert expected[-1] >= 5 or observed[-1] == 0
+    print(
+        "P-VALUE",
+        chisquare(observed, expected).pvalue,
+        len(likely),
+        observed[:6],
+        [round(e) for e in expected[:6]],
+    )
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.fixture(scope="module")
+def setting(decoding_pair):
+    model, draft_model, tokenizer = decoding_pair
+    decoder = SpeculativeDecoder(model, draft_model, tokenizer, num_draft=NUM_DRAFT)
+    prompt_ids = mx.array([tokenizer(PROMPT).input_ids])
+    return decoder, prompt_ids
+
+
+def distributions_differ(setting, sampling):
+    """Total variation between the draft's and the main model's first-token
+    distributions: the test is only meaningful if the draft is wrong often."""
+    decoder, prompt_ids = setting
+    start = mx.array([[decoder.model.args.decoder_start_token_id]])
+    p = sampling.probabilities(decoder.model(prompt_ids, start)[0, -1])
+    q = sampling.probabilities(decoder.draft_model(prompt_ids, start)[0, -1])
+    return 0.5 * mx.abs(p - q).sum().item()
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(temp=TEMP), Sampling(temp=TEMP, top_p=0.9, top_k=8)],
+    ids=["full", "top-p-top-k"],
+)
+def test_speculative_samples_follow_the_main_model(setting, sampling):
+    decoder, prompt_ids = setting
+    assert distributions_differ(setting, sampling) > 0.1
+    distribution = exact_distribution(decoder.model, prompt_ids, sampling)
+    counts = sample_outputs(decoder, sampling)
+    assert chi_square_p_value(counts, distribution) > 1e-3
+
+
+def miswritten_verify(rule: str):
+    """``decoder.verify`` with one deliberate mistake, for the power checks."""
+    correct = decoder_module.verify
+
+    def verify(draft_tokens, draft_probs, main_logits, sampling, delta):
+        if draft_tokens.shape[0] == 0:  # no draft tokens: nothing to get wrong
+            return correct(draft_tokens, draft_probs, main_logits, sampling, delta)
+        if rule == "wrong prefix":
+            # Off by one: x_i judged by the main model's distribution after x_i.
+            shifted = mx.concatenate([main_logits[1:], main_logits[-1:]])
+            return correct(draft_tokens, draft_probs, shifted, sampling, delta)
+        num_draft = draft_tokens.shape[0]
+        probs = sampling.probabilities(main_logits)
+        p = mx.take_along_axis(probs[:num_draft], draft_tokens[:, None], axis=-1)[:, 0]
+        q = mx.take_along_axis(draft_probs, draft_tokens[:, None], axis=-1)[:, 0]
+        u = mx.random.uniform(shape=(num_draft,))
+        accepted = u * p <= q if rule == "inverted ratio" else u * q <= p
+        replacements = mx.maximum(probs[:num_draft] - draft_probs, 0)
+        if rule == "resample from p":
+            replacements = probs[:num_draft]
+        rows = mx.concatenate([replacements, probs[num_draft:]])
+        candidates = mx.random.categorical(mx.log(rows))
+        num_accepted = mx.cumprod(accepted.astype(mx.int32)).sum()
+        return num_accepted, candidates[num_accepted]
+
+    return verify
+
+
+@pytest.mark.parametrize("rule", ["inverted ratio", "resample from p", "wrong prefix"])
+def test_the_check_catches_a_wrong_rule(setting, rule, monkeypatch):
+    decoder, prompt_ids = setting
+    sampling = Sampling(temp=TEMP)
+    monkeypatch.setattr(decoder_module, "verify", miswritten_verify(rule))
+    counts = sample_outputs(decoder, sampling)
+    distribution = exact_distribution(decoder.model, prompt_ids, sampling)
+    assert chi_square_p_value(counts, distribution) < 1e-4
+
+
+def test_the_check_catches_the_draft_distribution(setting):
+    """delta = 1 keeps every draft token: the draft's distribution, not the main model's."""
+    decoder, prompt_ids = setting
+    sampling = Sampling(temp=TEMP)
+    loose = SpeculativeDecoder(
+        decoder.model, decoder.draft_model, decoder.tokenizer, NUM_DRAFT, 1.0
+    )
+    counts = sample_outputs(loose, sampling)
+    distribution = exact_distribution(decoder.model, prompt_ids, sampling)
+    assert chi_square_p_value(counts, distribution) < 1e-4
