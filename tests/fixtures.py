@@ -184,6 +184,10 @@ def _sharpen(model: T5ForConditionalGeneration) -> None:
             if name.endswith((".SelfAttention.o.weight", ".EncDecAttention.o.weight")):
                 param.mul_(ATTN_OUT_SCALE)
             elif name.endswith(".wo.weight"):
+                if not model.config.is_gated_act:
+                    # relu(.) has a positive mean, so wo would add an input-independent vector
+                    # each layer, pulling every step towards the same token: make rows zero-mean.
+                    param.sub_(param.mean(dim=1, keepdim=True))
                 param.mul_(FF_OUT_SCALE)
             elif name.endswith(".relative_attention_bias.weight"):
                 param.mul_(REL_BIAS_SCALE)

@@ -20,7 +20,7 @@ from decoder import Sampling, SpeculativeDecoder
 
 PROMPT = "translate English to German: the old man walks to the market."
 RUNS = 2000
-TEMP = 0.6
+TEMP = 0.1
 NUM_DRAFT = 2
 # 3 tokens are generated so that the first round drafts 2 of them: the
 # second draft token is judged given the first.
