@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+# Before mlx.core: on Linux it loads an optimized BLAS, which MLX binds to only if loaded first.
+import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -11,6 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
+# Before anything imports mlx: on Linux it loads an optimized BLAS, which MLX uses only if first.
+import blas  # noqa: F401
+
 DEFAULT_PROMPT = (
     "translate English to German: The old bridge across the river was closed "
     "for repairs, so we took the ferry to the market."

@@ -12,6 +12,8 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# Before anything imports mlx (convert does): on Linux it loads an optimized BLAS for MLX.
+import blas  # noqa: F401  # isort: skip
 from fixtures import build_checkpoint, train_tokenizer
 
 import convert

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
-
 from fixtures import (
     DEMO_PROMPTS,
     EOS_ID,
@@ -18,6 +16,7 @@ from fixtures import (
     load_hf,
     train_tokenizer,
 )
+from transformers import AutoTokenizer
 
 
 def test_tokenizer_round_trip(tmp_path: Path) -> None:

@@ -78,8 +78,9 @@ def test_cached_decoding_equals_full_sequence(name, converted):
     full = model(inputs, decoder_inputs)
     one_at_a_time = decode_step_by_step(model, inputs, decoder_inputs, [1] * 20)
     uneven = decode_step_by_step(model, inputs, decoder_inputs, [1, 4, 2, 6, 7])
-    assert mx.abs(one_at_a_time - full).max().item() < 1e-5
-    assert mx.abs(uneven - full).max().item() < 1e-5
+    # Optimized BLAS sums differently for different row counts: float32 round-off.
+    assert mx.abs(one_at_a_time - full).max().item() < 1e-4
+    assert mx.abs(uneven - full).max().item() < 1e-4
 
 
 def test_trim_then_decode_equals_never_feeding_those_tokens(converted):
@@ -98,7 +99,7 @@ def test_trim_then_decode_equals_never_feeding_those_tokens(converted):
     after_trim = model.decode(right, cache)
 
     expected = model(inputs, mx.concatenate([prefix, right], axis=1))[:, 7:]
-    assert mx.abs(after_trim - expected).max().item() < 1e-5
+    assert mx.abs(after_trim - expected).max().item() < 1e-4
 
 
 def test_cache_grows_past_its_first_chunk(converted):
@@ -107,7 +108,7 @@ def test_cache_grows_past_its_first_chunk(converted):
     # 300 positions: beyond the cache's first 256-position chunk.
     decoder_inputs = mx.array(random_ids((1, 300), model.args.vocab_size, seed=10))
     chunked = decode_step_by_step(model, inputs, decoder_inputs, [250, 1, 49])
-    assert mx.abs(chunked - model(inputs, decoder_inputs)).max().item() < 1e-5
+    assert mx.abs(chunked - model(inputs, decoder_inputs)).max().item() < 1e-4
 
 
 def test_float16_stays_finite_where_activations_overflow(converted, monkeypatch):

@@ -1,0 +1,365 @@
+"""Measure speculative decoding against regular decoding, and against the paper's prediction.
+
+    python benchmark.py --model-name MAIN --draft-model-name DRAFT \\
+        [--num-draft 1,2,3,5,8] [--delta 0,0.1,0.5] [--temp 0,1] [--max-tokens 64] \\
+        [--prompts FILE] [--output benchmark_results] [--compare-hf --hf-model DIR --hf-draft DIR]
+
+For every setting (temperature x delta x num_draft) each prompt is decoded
+regularly and speculatively, alternately, so that drift in machine speed
+affects both alike. Reported per setting:
+
+- tokens/s of regular and speculative decoding, and the speedup;
+- alpha, the acceptance rate of the draft tokens the main model actually
+  tested: accepted / (accepted + rejected). A round stops at its first
+  rejection; the draft tokens after it were never tested and do not count;
+- tokens per main-model pass;
+- c, the measured time of one draft step over one main step;
+- the speedup the paper predicts from alpha and c for g draft tokens,
+  (1 - alpha^(g+1)) / ((1 - alpha)(g c + 1)), and measured / predicted.
+
+At temperature 0 it also checks that the speculative tokens equal the regular
+ones. Results go to a table, OUTPUT.csv, OUTPUT.json and, when matplotlib is
+installed, OUTPUT.png (speedup against num_draft, one line per delta).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import blas  # loads an optimized BLAS on Linux: must come before mlx is imported
+
+PROMPTS = [
+    "translate English to German: The museum opens at nine and closes early on Sundays.",
+    "translate English to French: My sister bought fresh bread at the bakery this morning.",
+    "translate English to German: We will meet at the station after the meeting.",
+    (
+        "summarize: The city council met on Tuesday to discuss the new bridge. After a long "
+        "debate about costs and traffic, the members agreed to start construction next spring."
+    ),
+    (
+        "summarize: Heavy rain fell across the region for three days. Several roads were closed, "
+        "and farmers said the water would help their crops after a dry summer."
+    ),
+    (
+        "question: What is the capital of France? context: Paris is the capital and largest "
+        "city of France, on the river Seine."
+    ),
+    (
+        "question: When was the library built? context: The old library was built in 1885 "
+        "and restored in 1990 after a fire."
+    ),
+]
+
+
+@dataclass
+class Row:
+    """The measurements of one setting, summed over all prompts."""
+
+    temp: float
+    delta: float
+    num_draft: int
+    regular_tokens_per_s: float
+    speculative_tokens_per_s: float
+    speedup: float
+    alpha: float
+    tokens_per_pass: float
+    cost_ratio: float
+    predicted_speedup: float
+    efficiency: float
+    identical: bool | None  # temperature 0 only
+
+
+def predicted_speedup(alpha: float, num_draft: int, cost_ratio: float) -> float:
+    """Leviathan et al., eq. 1 with their cost model: expected walltime improvement."""
+    if alpha >= 1:
+        return (num_draft + 1) / (num_draft * cost_ratio + 1)
+    return (1 - alpha ** (num_draft + 1)) / ((1 - alpha) * (num_draft * cost_ratio + 1))
+
+
+def step_time(model, prompt_ids, steps: int = 24) -> float:
+    """Seconds per single-token decoder step of ``model`` with a warm cache."""
+    import mlx.core as mx
+
+    cache = model.make_cache(model.encode(prompt_ids))
+    token = mx.array([[model.args.decoder_start_token_id]])
+    mx.eval(model.decode(token, cache))  # warm-up
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits = model.decode(token, cache)
+        token = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(token)
+    return (time.perf_counter() - start) / steps
+
+
+def parse_list(kind: type):
+    def parse(text: str) -> list:
+        try:
+            return [kind(item) for item in text.split(",") if item.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a list of {kind.__name__}") from None
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--model-name", required=True, help="main model: converted name or directory")
+    add("--draft-model-name", required=True, help="draft model: converted name or directory")
+    add("--num-draft", type=parse_list(int), default=[1, 2, 3, 5, 8], help="e.g. 1,2,3,5,8")
+    add("--delta", type=parse_list(float), default=[0.0], help="e.g. 0,0.1,0.5")
+    add("--temp", type=parse_list(float), default=[0.0, 1.0], help="e.g. 0,1")
+    add("--max-tokens", type=int, default=64, help="tokens per prompt")
+    add("--prompts", type=Path, help="a file with one prompt per line (default: built-in)")
+    add("--seed", type=int, default=0, help="random seed for sampling")
+    add("--output", type=Path, default=Path("benchmark_results"), help="prefix of output files")
+    add("--compare-hf", action="store_true", help="also time transformers (needs torch)")
+    add("--hf-model", type=Path, help="Hugging Face checkpoint of the main model")
+    add("--hf-draft", type=Path, help="Hugging Face checkpoint of the draft model")
+    return parser
+
+
+def validate(args: argparse.Namespace) -> None:
+    if not args.num_draft or min(args.num_draft) < 1:
+        raise ValueError("--num-draft values must be >= 1")
+    if not args.delta or not all(0 <= d <= 1 for d in args.delta):
+        raise ValueError("--delta values must be in [0, 1]")
+    if not args.temp or min(args.temp) < 0:
+        raise ValueError("--temp values must be >= 0")
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be >= 1")
+    if args.compare_hf and (args.hf_model is None or args.hf_draft is None):
+        raise ValueError("--compare-hf needs --hf-model and --hf-draft")
+
+
+def read_prompts(path: Path | None) -> list[str]:
+    if path is None:
+        return PROMPTS
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def run_setting(decoder, prompts, temp, delta, num_draft, max_tokens, seed, cost_ratio, progress):
+    """Decode every prompt regularly and speculatively, alternately; one Row."""
+    decoder.num_draft, decoder.delta = num_draft, delta
+    regular_time = speculative_time = 0.0
+    regular_tokens = speculative_tokens = accepted = rejected = passes = 0
+    identical = True
+    for number, prompt in enumerate(prompts):
+        options = {"max_tokens": max_tokens, "temp": temp, "seed": seed + number}
+        regular = decoder.generate(prompt, **options)
+        speculative = decoder.speculative_decode(prompt, **options)
+        regular_time += regular.elapsed
+        speculative_time += speculative.elapsed
+        regular_tokens += len(regular.tokens)
+        speculative_tokens += len(speculative.tokens)
+        accepted += speculative.n_accepted
+        rejected += speculative.n_rejected
+        passes += speculative.n_steps
+        identical &= regular.tokens == speculative.tokens
+        progress.update(1)
+    regular_speed = regular_tokens / regular_time
+    speculative_speed = speculative_tokens / speculative_time
+    alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
+    predicted = predicted_speedup(alpha, num_draft, cost_ratio)
+    speedup = speculative_speed / regular_speed
+    return Row(
+        temp=temp,
+        delta=delta,
+        num_draft=num_draft,
+        regular_tokens_per_s=regular_speed,
+        speculative_tokens_per_s=speculative_speed,
+        speedup=speedup,
+        alpha=alpha,
+        tokens_per_pass=speculative_tokens / passes,
+        cost_ratio=cost_ratio,
+        predicted_speedup=predicted,
+        efficiency=speedup / predicted,
+        identical=identical if temp == 0 else None,
+    )
+
+
+COLUMNS = [
+    ("temp", "temp", "{:g}"),
+    ("delta", "delta", "{:g}"),
+    ("num_draft", "g", "{}"),
+    ("regular_tokens_per_s", "regular tok/s", "{:.1f}"),
+    ("speculative_tokens_per_s", "spec tok/s", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("alpha", "alpha", "{:.3f}"),
+    ("tokens_per_pass", "tok/pass", "{:.2f}"),
+    ("cost_ratio", "c", "{:.3f}"),
+    ("predicted_speedup", "predicted", "{:.2f}x"),
+    ("efficiency", "efficiency", "{:.2f}"),
+    ("identical", "= regular", "{}"),
+]
+
+
+def format_table(rows: list[Row]) -> str:
+    header = [title for _, title, _ in COLUMNS]
+    lines = [
+        [
+            "-" if getattr(row, name) is None else form.format(getattr(row, name))
+            for name, _, form in COLUMNS
+        ]
+        for row in rows
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(header, *lines)]
+    return "\n".join(
+        "  ".join(cell.rjust(width) for cell, width in zip(line, widths))
+        for line in [header, *lines]
+    )
+
+
+def write_outputs(rows: list[Row], extra: dict, output: Path) -> list[Path]:
+    """OUTPUT.csv, OUTPUT.json and, with matplotlib, OUTPUT.png."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    written = [output.with_suffix(".csv"), output.with_suffix(".json")]
+    with written[0].open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=[name for name, _, _ in COLUMNS])
+        writer.writeheader()
+        writer.writerows(asdict(row) for row in rows)
+    written[1].write_text(json.dumps({**extra, "rows": [asdict(r) for r in rows]}, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+    except ImportError:
+        return written
+    temps = sorted({row.temp for row in rows})
+    figure, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
+    for axis, temp in zip(axes[0], temps):
+        for delta in sorted({row.delta for row in rows}):
+            selected = [r for r in rows if r.temp == temp and r.delta == delta]
+            axis.plot(
+                [r.num_draft for r in selected],
+                [r.speedup for r in selected],
+                marker="o",
+                label=f"delta {delta:g}",
+            )
+        axis.axhline(1.0, color="gray", linewidth=0.8)
+        axis.set(title=f"temperature {temp:g}", xlabel="num_draft", ylabel="speedup")
+        axis.legend()
+    figure.tight_layout()
+    written.append(output.with_suffix(".png"))
+    figure.savefig(written[-1], dpi=120)
+    return written
+
+
+def compare_with_transformers(args, prompts, decoder) -> dict:
+    """Greedy and assisted generation in transformers on the original
+    checkpoints, on the same prompts, timed the same way."""
+    import torch
+    from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.hf_model))
+    main = T5ForConditionalGeneration.from_pretrained(str(args.hf_model)).eval()
+    draft = T5ForConditionalGeneration.from_pretrained(str(args.hf_draft)).eval()
+    num_draft = max(args.num_draft)
+    draft.generation_config.num_assistant_tokens = num_draft
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    options = {"max_new_tokens": args.max_tokens, "do_sample": False, "num_beams": 1}
+    times = {"greedy": 0.0, "assisted": 0.0, "ours_regular": 0.0, "ours_speculative": 0.0}
+    tokens = dict.fromkeys(times, 0)
+    matches = 0
+    decoder.num_draft, decoder.delta = num_draft, 0.0
+    with torch.no_grad():
+        main.generate(**tokenizer(prompts[0], return_tensors="pt"), **options)  # warm-up
+        for prompt in prompts:
+            inputs = tokenizer(prompt, return_tensors="pt")
+            for name, extra in (("greedy", {}), ("assisted", {"assistant_model": draft})):
+                start = time.perf_counter()
+                output = main.generate(**inputs, **options, **extra)[0, 1:].tolist()
+                times[name] += time.perf_counter() - start
+                eos = main.config.eos_token_id
+                output = output[: output.index(eos)] if eos in output else output
+                tokens[name] += len(output)
+                if name == "greedy":
+                    greedy = output
+            for name, run in (
+                ("ours_regular", decoder.generate),
+                ("ours_speculative", decoder.speculative_decode),
+            ):
+                result = run(prompt, max_tokens=args.max_tokens)
+                times[name] += result.elapsed
+                tokens[name] += len(result.tokens)
+            matches += result.tokens == greedy
+    speeds = {name: tokens[name] / times[name] for name in times}
+    return {
+        "tokens_per_s": speeds,
+        "num_draft": num_draft,
+        "regular_vs_transformers_greedy": speeds["ours_regular"] / speeds["greedy"],
+        "speculative_vs_transformers_assisted": speeds["ours_speculative"] / speeds["assisted"],
+        "greedy_tokens_match": f"{matches}/{len(prompts)}",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        validate(args)
+        prompts = read_prompts(args.prompts)
+        import mlx.core as mx
+        from tqdm import tqdm
+
+        from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
+        from main import resolve_model
+        from model import load_model
+
+        model_path = resolve_model(args.model_name)
+        draft_path = resolve_model(args.draft_model_name)
+        check_draft_directories(model_path, draft_path)
+        model, draft_model = load_model(model_path), load_model(draft_path)
+        tokenizer = load_tokenizer(model_path)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+    decoder = SpeculativeDecoder(model, draft_model, tokenizer)
+    prompt_ids = mx.array([tokenizer(prompts[0]).input_ids])
+    decoder.speculative_decode(prompts[0], max_tokens=8)  # warm-up
+    cost_ratio = step_time(draft_model, prompt_ids) / step_time(model, prompt_ids)
+    settings = [(t, d, g) for t in args.temp for d in args.delta for g in args.num_draft]
+    rows = []
+    with tqdm(total=len(settings) * len(prompts), desc="decoding", file=sys.stderr) as progress:
+        for temp, delta, num_draft in settings:
+            rows.append(
+                run_setting(
+                    decoder,
+                    prompts,
+                    temp,
+                    delta,
+                    num_draft,
+                    args.max_tokens,
+                    args.seed,
+                    cost_ratio,
+                    progress,
+                )
+            )
+    print(format_table(rows))
+    extra = {
+        "model": str(model_path),
+        "draft_model": str(draft_path),
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "blas": blas.loaded_library(),
+    }
+    if args.compare_hf:
+        extra["transformers"] = compare_with_transformers(args, prompts, decoder)
+        print(json.dumps(extra["transformers"], indent=2))
+    for path in write_outputs(rows, extra, args.output):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Make MLX use an optimized BLAS on Linux: import this module before ``mlx.core``.
+
+The Linux ``mlx[cpu]`` wheel links the netlib reference BLAS it bundles
+(``mlx_cpu.libs/libblas-*.so``): a 1024x1024 float32 matmul runs at a few
+GFLOP/s. MLX calls ``cblas_sgemm`` by name, and the dynamic linker resolves
+that name in the process's global scope before it looks at the libraries MLX
+brought along. So an optimized library that exports ``cblas_sgemm`` and is
+loaded with ``RTLD_GLOBAL`` *before* ``mlx.core`` is imported is the one MLX
+calls. Importing this module does that (see :func:`load`)::
+
+    import blas  # noqa: F401  (first: it must run before anything imports mlx)
+    import mlx.core as mx
+
+Where the library comes from, first found wins:
+
+1. The OpenBLAS inside the ``scs`` wheel, a dependency in requirements.txt on
+   Linux x86_64 for that library alone (scs, a convex solver, is never
+   imported). It is found through the package's installed files
+   (``importlib.metadata``), wherever the environment is. It exports
+   unprefixed ``cblas_*`` names and carries its own Fortran runtime
+   (``scs.libs/libgfortran-*.so``, ``libquadmath-*.so``), loaded first, so it
+   needs nothing from the system. (The OpenBLAS wheels ``scipy-openblas32``
+   and numpy's copy prefix their names, ``scipy_cblas_sgemm``, which MLX never
+   calls; ``cmeel-openblas`` needs the system's ``libgfortran.so.5``; the
+   ``mkl`` wheels weigh about 1 GB and are slow at 8-16 rows on AMD CPUs.)
+2. A system OpenBLAS, ``libopenblas.so.0`` (Debian: ``apt install libopenblas0``).
+
+If neither is found, one line on stderr says how to get one, and MLX runs on
+its reference BLAS. Nothing happens on macOS, where MLX uses Accelerate.
+
+Set ``T5_SPEC_NO_BLAS=1`` to skip all this and keep MLX's bundled reference
+BLAS (to compare, or to rule the optimized library out).
+
+If ``mlx.core`` is already imported, this comes too late: Python loads
+extension modules with ``RTLD_NOW``, so MLX's ``cblas_sgemm`` was bound when it
+was imported. Then :func:`load` loads nothing and says so on stderr.
+
+:func:`loaded_library` gives the path of the library loaded, for reports and
+tests; :func:`status` describes the outcome in one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+DISABLE_ENV = "T5_SPEC_NO_BLAS"
+PACKAGE = "scs"
+INSTALL_HINT = 'pip install "scs==3.3.1"'
+SYSTEM_NAMES = ("libopenblas.so.0", "libopenblas.so")
+# Runtime libraries auditwheel vendors beside the OpenBLAS, in dependency order.
+VENDORED_RUNTIMES = ("libquadmath", "libgfortran")
+
+_loaded: str | None = None
+_status = "not attempted"
+_attempted = False
+
+
+def loaded_library() -> str | None:
+    """The path of the optimized CBLAS :func:`load` put in the global scope, or None."""
+    return _loaded
+
+
+def status() -> str:
+    """One line: which BLAS MLX uses, and why."""
+    return _status
+
+
+def _say(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr)
+
+
+def _package_libraries() -> list[Path]:
+    """OpenBLAS libraries shipped in the ``PACKAGE`` wheel, if it is installed."""
+    import importlib.metadata  # here: importing it takes tens of ms, needed on Linux only
+
+    try:
+        files = importlib.metadata.files(PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return sorted(
+        Path(str(file.locate()))
+        for file in files
+        if file.parent.name.endswith(".libs") and file.name.startswith("libopenblas")
+    )
+
+
+def _exports_cblas(name: str) -> bool:
+    """Whether ``name`` loads and defines ``cblas_sgemm``, loaded locally (no global effect)."""
+    try:
+        return hasattr(ctypes.CDLL(name), "cblas_sgemm")
+    except OSError:
+        return False
+
+
+def _load_global(name: str) -> bool:
+    """Put ``name`` (a path or a soname) in the global scope if it provides ``cblas_sgemm``.
+
+    It is checked first with a local load, so that a library without the
+    unprefixed name never enters the global scope; loading it again with
+    ``RTLD_GLOBAL`` promotes the same copy.
+    """
+    if not _exports_cblas(name):
+        return False
+    ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+    return True
+
+
+def _from_package() -> str | None:
+    for library in _package_libraries():
+        for runtime in VENDORED_RUNTIMES:
+            for path in sorted(library.parent.glob(f"{runtime}*.so*")):
+                try:
+                    ctypes.CDLL(str(path))
+                except OSError:
+                    pass
+        if _load_global(str(library)):
+            return str(library)
+    return None
+
+
+def _providing_file(library: str) -> str:
+    """The file the dynamic linker loaded for ``library`` (a soname), via dladdr."""
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [
+            ("dli_fname", ctypes.c_char_p),
+            ("dli_fbase", ctypes.c_void_p),
+            ("dli_sname", ctypes.c_char_p),
+            ("dli_saddr", ctypes.c_void_p),
+        ]
+
+    try:
+        address = ctypes.cast(ctypes.CDLL(library).cblas_sgemm, ctypes.c_void_p)
+        info = DlInfo()
+        if ctypes.CDLL(None).dladdr(address, ctypes.byref(info)) and info.dli_fname:
+            return os.path.realpath(info.dli_fname.decode())
+    except (OSError, AttributeError):
+        pass
+    return library
+
+
+def _from_system() -> str | None:
+    for name in SYSTEM_NAMES:
+        if _load_global(name):
+            return _providing_file(name)
+    return None
+
+
+def load() -> str | None:
+    """Load the optimized CBLAS with ``RTLD_GLOBAL`` (once); return its path or None.
+
+    Runs on import. Later calls return the first outcome.
+    """
+    global _loaded, _status, _attempted
+    if _attempted:
+        return _loaded
+    _attempted = True
+    if not sys.platform.startswith("linux"):
+        _status = f"{sys.platform}: MLX's own BLAS (Accelerate on macOS)"
+        return None
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        _status = f"{DISABLE_ENV} is set: MLX's bundled reference BLAS"
+        return None
+    if "mlx.core" in sys.modules:
+        _status = "mlx.core was imported before blas: MLX's bundled reference BLAS"
+        _say(f"{_status}; import blas before mlx for the optimized BLAS")
+        return None
+    _loaded = _from_package()
+    if _loaded is not None:
+        _status = f"OpenBLAS from the {PACKAGE} package: {_loaded}"
+        return _loaded
+    _loaded = _from_system()
+    if _loaded is not None:
+        _status = f"system OpenBLAS: {_loaded}"
+        return _loaded
+    _status = "no optimized BLAS found: MLX's bundled reference BLAS"
+    _say(
+        f"MLX is using its slow reference BLAS; for fast CPU matmuls, {INSTALL_HINT} "
+        f"(or a system OpenBLAS: apt install libopenblas0); {DISABLE_ENV}=1 hides this"
+    )
+    return None
+
+
+load()
