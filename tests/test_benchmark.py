@@ -1,0 +1,81 @@
+"""benchmark.py: the paper's speedup formula, and a run end to end on the tiny pair."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from benchmark import predicted_speedup
+
+
+def test_predicted_speedup_follows_the_paper():
+    # alpha = 0.75, g = 3, c = 0.1: (1 - 0.75^4) / (0.25 * 1.3)
+    assert predicted_speedup(0.75, 3, 0.1) == pytest.approx((1 - 0.75**4) / (0.25 * 1.3))
+    # A draft that is never accepted only costs time; one always accepted gives g + 1 tokens.
+    assert predicted_speedup(0.0, 4, 0.2) == pytest.approx(1 / 1.8)
+    assert predicted_speedup(1.0, 4, 0.0) == pytest.approx(5.0)
+    # The issue's reference points: about 2.2x at c = 0.1 and 1.7x at c = 0.2.
+    assert max(predicted_speedup(0.75, g, 0.1) for g in range(1, 10)) == pytest.approx(
+        2.2, abs=0.05
+    )
+    assert max(predicted_speedup(0.75, g, 0.2) for g in range(1, 10)) == pytest.approx(
+        1.7, abs=0.05
+    )
+
+
+def test_benchmark_runs_and_writes_its_results(converted_pair, tmp_path):
+    main_dir, draft_dir = converted_pair
+    output = tmp_path / "results"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmark.py"),
+            "--model-name", str(main_dir),
+            "--draft-model-name", str(draft_dir),
+            "--num-draft", "1,3",
+            "--delta", "0,1",
+            "--temp", "0",
+            "--max-tokens", "12",
+            "--output", str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = list(csv.DictReader(output.with_suffix(".csv").open()))
+    assert [(r["delta"], r["num_draft"]) for r in rows] == [
+        ("0.0", "1"),
+        ("0.0", "3"),
+        ("1.0", "1"),
+        ("1.0", "3"),
+    ]
+    # Exact greedy decoding reproduces the regular tokens; delta = 1 accepts everything.
+    assert all(r["identical"] == "True" for r in rows if r["delta"] == "0.0")
+    assert all(float(r["alpha"]) == 1.0 for r in rows if r["delta"] == "1.0")
+    report = json.loads(output.with_suffix(".json").read_text())
+    assert len(report["rows"]) == 4 and report["max_tokens"] == 12
+    assert "speedup" in run.stdout and "predicted" in run.stdout
+
+
+def test_benchmark_refuses_bad_settings(converted_pair):
+    main_dir, draft_dir = converted_pair
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmark.py"),
+            "--model-name", str(main_dir),
+            "--draft-model-name", str(draft_dir),
+            "--delta", "0,2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines() == ["error: --delta values must be in [0, 1]"]
