@@ -71,8 +71,8 @@ HELD_OUT_FRACTION = 0.04  # paragraphs kept out of training, for evaluation prom
 # these probabilities. The "fill:" task replaces words with "_" with probability MASK_PROB.
 DROP_PROB, SWAP_PROB, MASK_PROB = 0.15, 0.10, 0.20
 # How often each task is drawn during training.
-TASK_WEIGHTS = {"continue": 0.3, "restore": 0.4, "fill": 0.3}
-LEARNING_RATE, WARMUP_STEPS = 3e-3, 50  # AdamW peak rate, linear warm-up steps
+TASK_WEIGHTS = {"continue": 0.2, "restore": 0.45, "fill": 0.35}
+LEARNING_RATE, WARMUP_STEPS = 1.5e-3, 100  # AdamW peak rate, linear warm-up steps
 
 TARGET_ALPHA = 0.75  # acceptance rate the scale factor is tuned for
 MAX_NEW_TOKENS = 64  # tokens generated per prompt when measuring acceptance
@@ -777,7 +777,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument(
-        "--train-steps", type=int, default=500, help="draft training steps (default 500)"
+        "--train-steps", type=int, default=3000, help="draft training steps (default 3000)"
     )
     parser.add_argument("--batch-size", type=int, default=16, help="training batch size")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")

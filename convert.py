@@ -23,6 +23,8 @@ from pathlib import Path
 import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 
+from model import T5, ModelArgs
+
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "spiece.model"]
 
@@ -207,6 +209,11 @@ def convert(model: str, out: Path, dtype: str = "bfloat16") -> Path:
     if "shared.weight" not in weights:
         raise ValueError(f"{checkpoint} has no shared.weight: is this a T5 checkpoint?")
     config = model_config(hf_config, "lm_head.weight" in weights)
+    try:  # every tensor the model needs, none it doesn't, all of the right shape
+        T5(ModelArgs.from_dict(config)).load_weights(list(weights.items()))
+    except ValueError as error:
+        reason = " ".join(str(error).split())  # MLX's message spans lines
+        raise ValueError(f"{checkpoint} does not match its config.json: {reason}") from None
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

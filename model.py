@@ -377,8 +377,9 @@ def load_model(path: str | Path) -> T5:
         model.load_weights(list(mx.load(str(weights_file)).items()))
         mx.eval(model.parameters())
     except (ValueError, RuntimeError) as error:
+        reason = " ".join(str(error).split())  # MLX's message spans lines
         raise ValueError(
-            f"cannot load the weights in {weights_file}: {error}; "
+            f"cannot load the weights in {weights_file}: {reason}; "
             "convert the model again with convert.py"
         ) from None
     return model

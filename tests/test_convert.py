@@ -508,3 +508,15 @@ def test_cli_rejects_an_unknown_dtype(tmp_path, hf_checkpoint):
     assert "Traceback" not in result.stderr
     assert "invalid choice: 'float64'" in result.stderr
     assert not (tmp_path / "mlx_models").exists()
+
+
+def test_checkpoint_missing_a_tensor_is_refused(tmp_path, hf_checkpoint):
+    """A tensor missing from the checkpoint is found at conversion, not at run time."""
+    source = copy_checkpoint(hf_checkpoint("relu_tied"), tmp_path / "hf")
+    tensors = load_file(source / "model.safetensors")
+    del tensors["decoder.block.1.layer.2.DenseReluDense.wo.weight"]
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    run = run_convert("--model", str(source), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert run.returncode != 0
+    assert "does not match its config.json" in assert_one_line_error(run.stderr)
+    assert not (tmp_path / "out").exists()
