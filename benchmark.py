@@ -134,8 +134,10 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--temp values must be >= 0")
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
-    if args.compare_hf and (args.hf_model is None or args.hf_draft is None):
-        raise ValueError("--compare-hf needs --hf-model and --hf-draft")
+    if args.compare_hf:
+        for flag, path in (("--hf-model", args.hf_model), ("--hf-draft", args.hf_draft)):
+            if path is None or not (path / "config.json").is_file():
+                raise ValueError(f"--compare-hf needs {flag}, a Hugging Face checkpoint directory")
 
 
 def read_prompts(path: Path | None) -> list[str]:
