@@ -74,13 +74,6 @@ def chi_square_p_value(counts: Counter, distribution: dict[tuple, float]) -> flo
     expected.append(RUNS - sum(expected))
     assert len(likely) >= 3, "too few likely outcomes for a meaningful test"
     assert expected[-1] >= 5 or observed[-1] == 0
-    print(
-        "P-VALUE",
-        chisquare(observed, expected).pvalue,
-        len(likely),
-        observed[:6],
-        [round(e) for e in expected[:6]],
-    )
     return chisquare(observed, expected).pvalue
 
 
