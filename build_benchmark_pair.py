@@ -8,10 +8,12 @@ more often than real models do. This script builds a pair that behaves like a re
 
 1. **Text.** English prose available offline: the stdlib's ``pydoc_data.topics`` (the help
    pages of the language reference) and the docstrings of the stdlib's own modules, read with
-   ``ast`` (nothing is imported). Paragraphs are split into sentences; a few percent of the
-   paragraphs are held out for the evaluation prompts.
+   ``ast`` (nothing is imported). Paragraphs are split into sentences. The draft is trained
+   on 1,500 of them (about 60k tokens), few enough to be learned nearly by heart in a short
+   run (see ``TRAIN_PARAGRAPHS``); a few percent of the rest are held out.
 2. **Tokenizer.** A SentencePiece unigram model trained on that text with T5's special ids
-   (pad 0, eos 1, unk 2, no bos), saved as a transformers ``T5Tokenizer``.
+   (pad 0, eos 1, unk 2, no bos), trained on all but the held-out paragraphs and saved as a
+   transformers ``T5Tokenizer``.
 3. **Draft.** A small T5 (original-T5 layout: ReLU feed-forward, tied embeddings) trained with
    torch on three T5-style seq2seq tasks whose outputs are real text of 20-60 tokens:
    ``continue: <sentences>`` -> the sentence(s) that follow,
@@ -28,12 +30,16 @@ more often than real models do. This script builds a pair that behaves like a re
 5. **Measurement.** Both checkpoints are saved in Hugging Face format (``hf-main``,
    ``hf-draft``), converted with ``convert.py`` to float32 MLX directories (``main``,
    ``draft``), and the acceptance rate is measured with this repository's
-   ``SpeculativeDecoder`` on held-out prompts of the training style.
+   ``SpeculativeDecoder`` on ten prompts of the training style (fresh corruptions of the
+   training paragraphs), other than the ones the scale was tuned on.
 
 The build is deterministic for a given ``--seed`` (on the same machine and library versions)
-and takes about 15-30 minutes on 2 CPU cores. Acceptance during tuning is computed in torch,
-exactly as greedy speculative decoding would count it, from where the draft's teacher-forced
-argmax agrees with the main model's greedy output (see ``speculative_counts``).
+and takes about 20 minutes on 2 otherwise idle CPU cores, most of it training the draft.
+The trained draft is saved with its settings (``hf-draft/training.json``); a later run with
+the same settings reuses it unless ``--retrain`` is given. Acceptance during tuning is
+computed in torch, exactly as greedy speculative decoding would count it, from where the
+draft's teacher-forced argmax agrees with the main model's greedy output (see
+``speculative_counts``).
 """
 
 from __future__ import annotations
@@ -65,7 +71,14 @@ PAD_ID, EOS_ID, UNK_ID = 0, 1, 2  # T5's special ids; the decoder starts from PA
 VOCAB_SIZE = 3000
 MAX_SOURCE_TOKENS = 64  # prompt length cap (tokens, EOS included)
 MIN_TARGET_TOKENS, MAX_TARGET_TOKENS = 20, 60  # target length range (EOS excluded)
-HELD_OUT_FRACTION = 0.04  # paragraphs kept out of training, for evaluation prompts
+HELD_OUT_FRACTION = 0.04  # paragraphs kept out of training (for the held-out loss)
+# The draft is trained on this many paragraphs (about 60k tokens), few enough that a short run
+# sees each about 25 times and learns much of them by heart. That is what makes its
+# greedy output real text: a small seq2seq model trained for minutes has not yet learned to
+# copy from its input, and on text it has not memorised greedy decoding falls into loops
+# ("the same as the same as ..."). Evaluation prompts therefore come from these paragraphs,
+# with fresh corruptions; on unseen text the pair behaves like an undertrained model.
+TRAIN_PARAGRAPHS = 1500
 
 # Corruption of the "restore:" task: each word is dropped / swapped with its neighbour with
 # these probabilities. The "fill:" task replaces words with "_" with probability MASK_PROB.
@@ -78,9 +91,9 @@ TARGET_ALPHA = 0.75  # acceptance rate the scale factor is tuned for
 MAX_NEW_TOKENS = 64  # tokens generated per prompt when measuring acceptance
 TUNE_NUM_DRAFT = 4  # num_draft used while tuning (alpha barely depends on it)
 SIMULATED_NUM_DRAFTS = (3, 4, 5)  # num_draft values whose acceptance is computed in torch
-MEASURE_NUM_DRAFTS = (3, 5)  # num_draft values measured with the (slow on Linux) MLX decoder
-NUM_TUNE_PROMPTS = 24  # held-out prompts used to tune the scale factor
-NUM_EVAL_PROMPTS = 10  # other held-out prompts, used for the final measurement
+MEASURE_NUM_DRAFTS = (3, 5)  # num_draft values measured with this repository's MLX decoder
+NUM_TUNE_PROMPTS = 48  # prompts used to tune the scale factor
+NUM_EVAL_PROMPTS = 10  # other prompts, used for the final measurement
 BISECTION_STEPS = 7
 # Written beside the trained draft; a later run with the same settings reuses the draft.
 TRAINING_RECORD = "training.json"
@@ -234,10 +247,10 @@ class TaskSampler:
     are whole sentences totalling 20-60 tokens.
     """
 
-    def __init__(self, paragraphs: Sequence[str], processor: spm.SentencePieceProcessor):
+    def __init__(self, paragraphs: Sequence[str], processor: spm.SentencePieceProcessor) -> None:
         self.processor = processor
         self.continuations: list[tuple[str, str]] = []  # (context, continuation)
-        self.spans: list[str] = []  # texts for the restore task
+        self.spans: list[str] = []  # targets of the restore and fill tasks
         for paragraph in paragraphs:
             sentences = split_sentences(paragraph)
             lengths = [len(ids) for ids in processor.encode(sentences)]
@@ -335,7 +348,7 @@ def pad(sequences: Sequence[Sequence[int]], value: int) -> tuple[torch.Tensor, t
 
 def evaluation_prompts(sampler: TaskSampler, rng: random.Random, count: int) -> list[str]:
     """``count`` prompts of the training style, cycling through the tasks, drawn from
-    ``sampler`` (built from held-out paragraphs); no target text is used twice."""
+    ``sampler``, with fresh corruptions; no target text is used twice."""
     prompts: list[str] = []
     seen: set[str] = set()
     while len(prompts) < count:
@@ -455,89 +468,98 @@ def grow(
 ) -> T5ForConditionalGeneration:
     """The main model: ``draft`` with more heads, wider feed-forward blocks and more layers.
 
-    New weights are Gaussian with the standard deviation of the draft tensor they extend (for
-    new layers: of the same tensor in the draft layer before them). Every new output
-    projection is multiplied by ``scale``, and the new feed-forward output columns are made
-    zero-mean across units (ReLU outputs are positive, so otherwise they would add the same
-    vector at every position). The relative position bias of a new head copies that of an
-    existing head. With ``scale = 0`` the result computes the draft's function exactly.
+    The new parts are copies of the draft's own parts, placed where they were not: a new head
+    copies a head of a random draft layer (of the same stack and attention type), a new
+    feed-forward unit copies a unit (``wi`` row and ``wo`` column) of a random draft layer,
+    and a new layer copies a random draft layer. Their contributions to the residual stream
+    (the new ``o`` and ``wo`` columns) are multiplied by ``scale`` times a random gain per head
+    or unit, drawn from N(0, 1). So the perturbation speaks the draft's language: it moves
+    the logits in directions the draft itself uses, and the main model hesitates between
+    plausible tokens instead of drifting to arbitrary ones, as random weights would make it.
+    The relative position bias of a new head is that of the head it copies. With
+    ``scale = 0`` the result computes the draft's function exactly.
     """
     old = draft.config
     if shape.d_model != old.d_model or shape.d_kv != old.d_kv:
         raise ValueError("growing keeps d_model and d_kv")
     generator = torch.Generator().manual_seed(seed)
     source = {name: tensor.detach() for name, tensor in draft.state_dict().items()}
+    d_kv, old_heads, old_layers = old.d_kv, old.num_heads, old.num_layers
 
-    def random_like(reference: torch.Tensor, shape_: tuple[int, ...]) -> torch.Tensor:
-        return torch.randn(shape_, generator=generator) * reference.std()
+    def randint(high: int, size: int) -> list[int]:
+        return torch.randint(high, (size,), generator=generator).tolist()
 
-    def add_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-        return torch.cat([weight, random_like(weight, (rows, weight.shape[1]))], dim=0)
+    def gains(size: int) -> torch.Tensor:
+        return scale * torch.randn(size, generator=generator)
 
-    def add_columns(weight: torch.Tensor, columns: int, zero_mean: bool = False) -> torch.Tensor:
-        extra = random_like(weight, (weight.shape[0], columns))
-        if zero_mean:
-            extra -= extra.mean(dim=1, keepdim=True)
-        return torch.cat([weight, scale * extra], dim=1)
-
-    inner_old, inner_new = old.num_heads * old.d_kv, shape.num_heads * shape.d_kv
-    heads_added, units_added = inner_new - inner_old, shape.d_ff - old.d_ff
+    # Bias column h is shared by head slot h of every layer of a stack, so a new head slot
+    # copies the same draft head index in every layer (from a layer drawn per layer).
+    slot_heads = list(range(old_heads)) + randint(old_heads, shape.num_heads - old_heads)
     grown = {"shared.weight": source["shared.weight"].clone()}
     for stack in ("encoder", "decoder"):
+
+        def tensor(layer: int, position: int, leaf: str, stack: str = stack) -> torch.Tensor:
+            return source[f"{stack}.block.{layer}.layer.{position}.{leaf}"]
+
         grown[f"{stack}.final_layer_norm.weight"] = source[f"{stack}.final_layer_norm.weight"]
-        bias = source[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
-        copies = [bias[:, h % old.num_heads] for h in range(old.num_heads, shape.num_heads)]
-        grown[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = torch.cat(
-            [bias, torch.stack(copies, dim=1)], dim=1
-        )
+        bias_name = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        grown[bias_name] = source[bias_name][:, slot_heads].clone()
         attention = ["SelfAttention"] + (["EncDecAttention"] if stack == "decoder" else [])
         ff_index = len(attention)
-        plan = layer_plan(old.num_layers, shape.num_layers - old.num_layers)
-        previous = 0
-        for index, copied in enumerate(plan):
-            source_layer = copied if copied is not None else previous
-            prefix_old = f"{stack}.block.{source_layer}.layer"
+        for index, copied in enumerate(layer_plan(old_layers, shape.num_layers - old_layers)):
+            base = copied if copied is not None else randint(old_layers, 1)[0]
             prefix = f"{stack}.block.{index}.layer"
+
             for position, module in enumerate(attention):
-                old_names = {p: f"{prefix_old}.{position}.{module}.{p}.weight" for p in "qkvo"}
-                new_names = {p: f"{prefix}.{position}.{module}.{p}.weight" for p in "qkvo"}
-                norm = f"{position}.layer_norm.weight"
-                grown[f"{prefix}.{norm}"] = source[f"{prefix_old}.{norm}"].clone()
+                grown[f"{prefix}.{position}.layer_norm.weight"] = tensor(
+                    base, position, "layer_norm.weight"
+                ).clone()
+                layers = [base] * old_heads + randint(old_layers, len(slot_heads) - old_heads)
+                heads = [
+                    slice(h * d_kv, (h + 1) * d_kv) for h in slot_heads
+                ]  # rows of q/k/v, columns of o
                 for p in "qkv":
-                    reference = source[old_names[p]]
-                    if copied is None:
-                        grown[new_names[p]] = random_like(reference, (inner_new, shape.d_model))
-                    else:
-                        grown[new_names[p]] = add_rows(reference, heads_added)
-                reference = source[old_names["o"]]
-                if copied is None:
-                    grown[new_names["o"]] = scale * random_like(
-                        reference, (shape.d_model, inner_new)
+                    grown[f"{prefix}.{position}.{module}.{p}.weight"] = torch.cat(
+                        [
+                            tensor(lay, position, f"{module}.{p}.weight")[h]
+                            for lay, h in zip(layers, heads, strict=True)
+                        ]
                     )
-                else:
-                    grown[new_names["o"]] = add_columns(reference, heads_added)
-            norm = f"{ff_index}.layer_norm.weight"
-            grown[f"{prefix}.{norm}"] = source[f"{prefix_old}.{norm}"].clone()
-            wi = source[f"{prefix_old}.{ff_index}.DenseReluDense.wi.weight"]
-            wo = source[f"{prefix_old}.{ff_index}.DenseReluDense.wo.weight"]
-            if copied is None:
-                new_wi = random_like(wi, (shape.d_ff, shape.d_model))
-                extra = random_like(wo, (shape.d_model, shape.d_ff))
-                new_wo = scale * (extra - extra.mean(dim=1, keepdim=True))
-            else:
-                new_wi = add_rows(wi, units_added)
-                new_wo = add_columns(wo, units_added, zero_mean=True)
-            grown[f"{prefix}.{ff_index}.DenseReluDense.wi.weight"] = new_wi
-            grown[f"{prefix}.{ff_index}.DenseReluDense.wo.weight"] = new_wo
+                head_gain = gains(len(slot_heads))
+                if copied is not None:
+                    head_gain[:old_heads] = 1.0  # the draft's own heads
+                grown[f"{prefix}.{position}.{module}.o.weight"] = torch.cat(
+                    [
+                        tensor(lay, position, f"{module}.o.weight")[:, h] * gain
+                        for lay, h, gain in zip(layers, heads, head_gain.tolist(), strict=True)
+                    ],
+                    dim=1,
+                )
+            grown[f"{prefix}.{ff_index}.layer_norm.weight"] = tensor(
+                base, ff_index, "layer_norm.weight"
+            ).clone()
+            extra = shape.d_ff - old.d_ff
+            unit_layers = torch.tensor([base] * old.d_ff + randint(old_layers, extra))
+            units = torch.tensor(list(range(old.d_ff)) + randint(old.d_ff, extra))
+            wi = torch.stack(
+                [tensor(lay, ff_index, "DenseReluDense.wi.weight") for lay in range(old_layers)]
+            )
+            wo = torch.stack(
+                [tensor(lay, ff_index, "DenseReluDense.wo.weight") for lay in range(old_layers)]
+            )
+            unit_gain = gains(shape.d_ff)
             if copied is not None:
-                previous = copied
+                unit_gain[: old.d_ff] = 1.0  # the draft's own units
+            grown[f"{prefix}.{ff_index}.DenseReluDense.wi.weight"] = wi[unit_layers, units]
+            grown[f"{prefix}.{ff_index}.DenseReluDense.wo.weight"] = (
+                wo[unit_layers, :, units].T * unit_gain
+            )
     for stack in ("encoder", "decoder"):
         grown[f"{stack}.embed_tokens.weight"] = grown["shared.weight"]
     grown["lm_head.weight"] = grown["shared.weight"]
 
-    config = shape.config()
     with torch.device("meta"):
-        main = T5ForConditionalGeneration(config)
+        main = T5ForConditionalGeneration(shape.config())
     main = main.to_empty(device="cpu")
     missing, unexpected = main.load_state_dict(grown, strict=False)
     if unexpected or any(not name.endswith("embed_tokens.weight") for name in missing):
@@ -633,8 +655,9 @@ def tune_scale(
 ) -> tuple[float, float]:
     """Search for the growth scale whose acceptance is closest to TARGET_ALPHA.
 
-    Acceptance falls from 1 at scale 0 as the scale grows: the upper end of the bracket is
-    doubled until acceptance is below the target, then the bracket is bisected geometrically.
+    Acceptance falls from 1 at scale 0 as the scale grows: a bracket is found by doubling or
+    halving the scale, then bisected geometrically. Acceptance on a finite prompt set is not
+    exactly monotone in the scale, so the best scale tried is returned.
     Returns (scale, alpha).
     """
     tried: list[tuple[float, float]] = []
@@ -648,7 +671,10 @@ def tune_scale(
     low, high = 0.0, 0.25
     while alpha_at(high) > TARGET_ALPHA and high < 64:
         low, high = high, 2 * high
-    low = low or high / 16
+    if low == 0:
+        low = high / 2
+        while alpha_at(low) <= TARGET_ALPHA and low > 1e-4:
+            low, high = low / 2, low
     for _ in range(BISECTION_STEPS):
         middle = math.sqrt(low * high)
         if alpha_at(middle) > TARGET_ALPHA:
@@ -772,6 +798,7 @@ def measure_mlx(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command-line options."""
     parser = argparse.ArgumentParser(
         description="Build a trained draft T5 and a main T5 grown from it, for benchmarking."
     )
@@ -793,6 +820,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Build the pair into ``--out``: hf-draft, hf-main, draft, main, build_summary.json."""
     args = parse_args(argv)
     build_start = time.perf_counter()
     torch.set_num_threads(2)
@@ -806,20 +834,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     paragraphs = collect_paragraphs()
     rng.shuffle(paragraphs)
     held_out_count = int(len(paragraphs) * HELD_OUT_FRACTION)
-    held_out, training = paragraphs[:held_out_count], paragraphs[held_out_count:]
+    held_out, rest = paragraphs[:held_out_count], paragraphs[held_out_count:]
+    training = rest[:TRAIN_PARAGRAPHS]
     log(
         f"  {len(paragraphs)} paragraphs, {sum(map(len, paragraphs)) / 1e6:.2f}M characters; "
-        f"{len(held_out)} held out"
+        f"the draft learns {len(training)} ({sum(map(len, training)) / 1e6:.2f}M characters), "
+        f"{len(held_out)} are held out"
     )
 
     log(f"2/6 training a SentencePiece tokenizer ({VOCAB_SIZE} pieces)")
     tokenizer_dir = Path(tempfile.mkdtemp(prefix="tokenizer-", dir=out))
-    tokenizer = train_tokenizer(training, tokenizer_dir)
+    tokenizer = train_tokenizer(rest, tokenizer_dir)
     processor = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "spiece.model"))
     sampler = TaskSampler(training, processor)
     held_out_sampler = TaskSampler(held_out, processor)
-    log(f"  {len(sampler.continuations)} continuation pairs, {len(sampler.spans)} spans to restore")
-    prompts = evaluation_prompts(held_out_sampler, rng, NUM_TUNE_PROMPTS + NUM_EVAL_PROMPTS)
+    pairs = f"{len(sampler.continuations)} continuation pairs, {len(sampler.spans)} spans"
+    log(f"  {pairs} to restore or fill")
+    prompts = evaluation_prompts(sampler, rng, NUM_TUNE_PROMPTS + NUM_EVAL_PROMPTS)
     tune_prompts, eval_prompts = prompts[NUM_EVAL_PROMPTS:], prompts[:NUM_EVAL_PROMPTS]
     tune_ids = [tokenizer(p).input_ids for p in tune_prompts]
 
@@ -830,12 +861,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "draft_shape": asdict(DRAFT_SHAPE),
         "vocab_size": VOCAB_SIZE,
+        "train_paragraphs": TRAIN_PARAGRAPHS,
         "task_weights": TASK_WEIGHTS,
         "learning_rate": LEARNING_RATE,
         "warmup_steps": WARMUP_STEPS,
         "corpus_sha256": hashlib.sha256("\n".join(paragraphs).encode()).hexdigest(),
     }
     record = paths["hf-draft"] / TRAINING_RECORD
+    reused = False
     if (
         not args.retrain
         and record.is_file()
@@ -856,9 +889,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"held-out loss {train_stats['held_out_loss']:.3f}"
     )
     for prompt, output in zip(tune_prompts[:2], greedy_outputs(draft, tune_ids[:2], 64)):
-        log(
-            f"  draft sample: {prompt}\n            -> {tokenizer.decode(output, skip_special_tokens=True)}"
-        )
+        text = tokenizer.decode(output, skip_special_tokens=True)
+        log(f"  draft sample: {prompt}\n             -> {text}")
 
     log(f"4/6 growing the main model {MAIN_SHAPE}; tuning the scale for alpha {TARGET_ALPHA}")
     check_identity(draft, grow(draft, MAIN_SHAPE, 0.0, args.seed), tune_ids[:4])
@@ -897,7 +929,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report(counts, train_stats, scale, tuned_alpha, simulated, results)
     output_stats(eval_prompts, torch_outputs, main_texts, draft_texts)
     total = time.perf_counter() - build_start
-    log(f"total build time {total / 60:.1f} min; models in {out}")
+    reuse_note = f" (reusing a draft trained in {train_stats['seconds'] / 60:.1f} min)"
+    log(f"total build time {total / 60:.1f} min{reuse_note if reused else ''}; models in {out}")
     summary = {
         "seed": args.seed,
         "draft_shape": asdict(DRAFT_SHAPE),
