@@ -305,13 +305,17 @@ class SpeculativeDecoder:
 
             num_accepted = num_accepted.item()
             new_tokens = draft_tokens[:num_accepted].tolist() + [next_token.item()]
+            rejected = num_accepted < num_draft
+            finished = eos in new_tokens
+            if finished:
+                end = new_tokens.index(eos)
+                if end < num_accepted:  # the draft's own EOS: later draft tokens went untested
+                    num_accepted, rejected = end + 1, False
+                new_tokens = new_tokens[:end]
             result.n_steps += 1
             result.n_draft += num_draft
             result.n_accepted += num_accepted
-            result.n_rejected += int(num_accepted < num_draft)
-            finished = eos in new_tokens
-            if finished:
-                new_tokens = new_tokens[: new_tokens.index(eos)]
+            result.n_rejected += int(rejected)
             sequence += new_tokens
             result.tokens += new_tokens
             result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)

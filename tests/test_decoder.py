@@ -192,6 +192,27 @@ def test_stops_at_eos_also_inside_a_draft(num_draft, decoding_pair):
     assert eos not in speculative.tokens
 
 
+def test_draft_tokens_after_an_accepted_eos_are_not_counted(decoding_pair):
+    model, draft_model, tokenizer = decoding_pair
+    # delta = 1 accepts every draft token, so the first round is the draft's
+    # own output; declaring its third token the end of sequence puts an
+    # accepted EOS inside the first 8-token draft.
+    decoder = SpeculativeDecoder(model, draft_model, tokenizer, num_draft=8, delta=1.0)
+    unstopped = decoder.speculative_decode(PROMPTS[1], max_tokens=40).tokens
+    eos = unstopped[2]
+    stop = unstopped.index(eos)
+    decoder = SpeculativeDecoder(
+        with_eos(model, eos), with_eos(draft_model, eos), tokenizer, num_draft=8, delta=1.0
+    )
+    result = decoder.speculative_decode(PROMPTS[1], max_tokens=40)
+    assert result.tokens == unstopped[:stop]
+    assert result.n_steps == 1
+    assert result.n_draft == 8
+    # The tokens up to and including EOS were accepted; the rest were never tested.
+    assert result.n_accepted == stop + 1
+    assert result.n_rejected == 0
+
+
 def test_same_seed_same_sample(decoding_pair):
     decoder = SpeculativeDecoder(*decoding_pair, num_draft=3)
     first = decoder.speculative_decode(PROMPTS[2], max_tokens=30, temp=1.0, seed=11)
