@@ -820,7 +820,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Build the pair into ``--out``: hf-draft, hf-main, draft, main, build_summary.json."""
+    """Build the pair into ``--out``: hf-draft, hf-main, draft, main, build_summary.json,
+    prompts.txt."""
     args = parse_args(argv)
     build_start = time.perf_counter()
     torch.set_num_threads(2)
@@ -948,6 +949,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "build_seconds": total,
     }
     (out / "build_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # The prompts benchmark.py should use with this pair (--prompts): its own task style.
+    (out / "prompts.txt").write_text("".join(f"{prompt}\n" for prompt in eval_prompts))
     return 0
 
 

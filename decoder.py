@@ -243,12 +243,16 @@ class SpeculativeDecoder:
         num_draft: int,
         sampling: Sampling,
     ) -> tuple[mx.array, mx.array | None]:
-        """Lazily propose ``num_draft`` tokens; the last one is not fed back."""
+        """Propose ``num_draft`` tokens without waiting for them; the last one
+        is not fed back."""
         inputs = mx.array([pending])
         tokens, probs = [], []
         for _ in range(num_draft):
             logits = self.draft_model.decode(inputs, cache)[0, -1]
             token, token_probs = sampling.sample(logits)
+            # Start computing this token while Python builds the next step's
+            # graph; nothing waits for it until the round's single eval.
+            mx.async_eval(token)
             tokens.append(token)
             probs.append(token_probs)
             inputs = token.reshape(1, 1)
