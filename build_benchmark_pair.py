@@ -1,6 +1,11 @@
 """Build a main/draft T5 pair for benchmarking speculative decoding without downloads.
 
     python build_benchmark_pair.py --out benchmark_models [--train-steps N] [--seed S]
+    python build_benchmark_pair.py --out benchmark_models --random-t5-shapes
+
+The second form, run after the first, writes random-weight checkpoints of the real T5-base
+and T5-small shapes: for timing regular decoding against transformers, where only the
+shapes matter.
 
 Real checkpoints (T5-XXL drafted by T5-small) cannot be downloaded here, and random-init T5
 models are no substitute: they fall into loops of one or two tokens, and two of them agree far
@@ -109,10 +114,10 @@ class Shape:
     d_ff: int
     num_layers: int  # in the encoder and in the decoder
 
-    def config(self) -> T5Config:
+    def config(self, vocab_size: int = VOCAB_SIZE) -> T5Config:
         """A transformers config for this shape (original T5: ReLU, tied, scaled outputs)."""
         return T5Config(
-            vocab_size=VOCAB_SIZE,
+            vocab_size=vocab_size,
             d_model=self.d_model,
             d_kv=self.d_kv,
             d_ff=self.d_ff,
@@ -133,6 +138,15 @@ class Shape:
 # which would make the main model too slow to benchmark on a CPU).
 DRAFT_SHAPE = Shape(d_model=256, d_kv=64, num_heads=4, d_ff=1024, num_layers=4)
 MAIN_SHAPE = Shape(d_model=256, d_kv=64, num_heads=16, d_ff=8192, num_layers=8)
+
+# The real T5-base and T5-small shapes, with T5's 32128-entry output layer, built with random
+# weights by --random-t5-shapes: timing regular decoding against transformers needs a real
+# model's shape, not its weights. (Ids beyond the 3000-piece tokenizer decode to nothing.)
+RANDOM_T5_SHAPES = {
+    "t5-base": Shape(d_model=768, d_kv=64, num_heads=12, d_ff=3072, num_layers=12),
+    "t5-small": Shape(d_model=512, d_kv=64, num_heads=8, d_ff=2048, num_layers=6),
+}
+T5_VOCAB_SIZE = 32128
 
 
 def log(message: str) -> None:
@@ -752,6 +766,20 @@ def save_checkpoint(model: T5ForConditionalGeneration, tokenizer_dir: Path, out:
     shutil.copyfile(tokenizer_dir / "spiece.model", out / "spiece.model")  # for sentencepiece
 
 
+def build_random_t5(out: Path, seed: int) -> None:
+    """Random-weight checkpoints of the real T5 shapes (``RANDOM_T5_SHAPES``), with the
+    pair's tokenizer: ``hf-<name>-random`` (Hugging Face) and ``<name>-random`` (MLX)."""
+    tokenizer_dir = out / "hf-draft"
+    if not (tokenizer_dir / "spiece.model").is_file():
+        raise SystemExit(f"error: {tokenizer_dir} has no tokenizer; build the pair first")
+    for name, shape in RANDOM_T5_SHAPES.items():
+        log(f"{name} shape {shape}, random weights")
+        torch.manual_seed(seed)
+        model = T5ForConditionalGeneration(shape.config(T5_VOCAB_SIZE)).eval()
+        save_checkpoint(model, tokenizer_dir, out / f"hf-{name}-random")
+        convert.convert(str(out / f"hf-{name}-random"), out / f"{name}-random", "float32")
+
+
 def measure_mlx(
     main_dir: Path, draft_dir: Path, prompts: Sequence[str], num_drafts: Sequence[int]
 ) -> tuple[dict[int, dict], list[str], list[str]]:
@@ -813,6 +841,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="train the draft even if OUT/hf-draft holds one trained with the same settings",
     )
+    parser.add_argument(
+        "--random-t5-shapes",
+        action="store_true",
+        help="instead of the pair, build random-weight T5-base and T5-small shaped checkpoints "
+        "(for timing against transformers); needs the pair's tokenizer in OUT/hf-draft",
+    )
     args = parser.parse_args(argv)
     if args.train_steps < 1 or args.batch_size < 1:
         parser.error("--train-steps and --batch-size must be >= 1")
@@ -829,6 +863,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    if args.random_t5_shapes:
+        build_random_t5(out, args.seed)
+        return 0
     rng = random.Random(args.seed)
 
     log("1/6 collecting text")
