@@ -11,7 +11,7 @@ One speculative round:
    token, or one more token after x_g when all were accepted.
 
 So every round costs one main-model pass and adds between 1 and g+1 tokens.
-The whole round is built lazily and evaluated with one host synchronisation.
+The host waits once per round, for the accepted count and the next token.
 """
 
 from __future__ import annotations
