@@ -2,7 +2,7 @@
 
     python benchmark.py --model-name MAIN --draft-model-name DRAFT \\
         [--num-draft 1,2,3,5,8] [--delta 0,0.1,0.5] [--temp 0,1] [--max-tokens 64] \\
-        [--prompts FILE] [--output benchmark_results] [--compare-hf --hf-model DIR --hf-draft DIR]
+        [--prompts FILE] [--output benchmark_results] [--compare-hf --hf-model DIR --hf-draft DIR [--hf-threads N]]
 
 For every setting (temperature x delta x num_draft) each prompt is decoded
 regularly and speculatively, alternately, so that drift in machine speed
@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--compare-hf", action="store_true", help="also time transformers (needs torch)")
     add("--hf-model", type=Path, help="Hugging Face checkpoint of the main model")
     add("--hf-draft", type=Path, help="Hugging Face checkpoint of the draft model")
+    add(
+        "--hf-threads",
+        type=int,
+        help="torch threads (default: as many as the BLAS MLX uses, else torch's default)",
+    )
     return parser
 
 
@@ -134,6 +139,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--temp values must be >= 0")
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
+    if args.hf_threads is not None and args.hf_threads < 1:
+        raise ValueError("--hf-threads must be >= 1")
     if args.compare_hf:
         for flag, path in (("--hf-model", args.hf_model), ("--hf-draft", args.hf_draft)):
             if path is None or not (path / "config.json").is_file():
@@ -268,6 +275,10 @@ def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
     # Assisted generation warns about its own internal generate() call.
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # The same number of threads for both: MLX's matrix products run on the BLAS's.
+    threads = args.hf_threads or blas.num_threads()
+    if threads:
+        torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(str(args.hf_model))
     main = T5ForConditionalGeneration.from_pretrained(str(args.hf_model)).eval()
     draft = T5ForConditionalGeneration.from_pretrained(str(args.hf_draft)).eval()

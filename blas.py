@@ -36,7 +36,8 @@ extension modules with ``RTLD_NOW``, so MLX's ``cblas_sgemm`` was bound when it
 was imported. Then :func:`load` loads nothing and says so on stderr.
 
 :func:`loaded_library` gives the path of the library loaded, for reports and
-tests; :func:`status` describes the outcome in one line.
+tests, :func:`num_threads` its thread count; :func:`status` describes the
+outcome in one line.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ _attempted = False
 def loaded_library() -> str | None:
     """The path of the optimized CBLAS :func:`load` put in the global scope, or None."""
     return _loaded
+
+
+def num_threads() -> int | None:
+    """How many threads the loaded OpenBLAS computes with, or None if none was loaded."""
+    if _loaded is None:
+        return None
+    return ctypes.CDLL(_loaded).openblas_get_num_threads()
 
 
 def status() -> str:

@@ -61,6 +61,7 @@ with open("/proc/self/maps") as maps:
 print(json.dumps({
     "loaded": blas.loaded_library(),
     "status": blas.status(),
+    "threads": blas.num_threads(),
     "global_provider": global_provider,
     "mapped": mapped,
 }))
@@ -115,6 +116,7 @@ def test_mlx_calls_the_optimized_cblas(tmp_path):
     assert report["global_provider"] == loaded
     assert loaded in report["mapped"]
     assert not is_bundled(loaded)
+    assert report["threads"] >= 1
     # MLX's reference libblas is still mapped (libmlx.so needs it), just not called.
     assert any(is_bundled(path) for path in report["mapped"])
     assert stderr == ""
@@ -123,6 +125,7 @@ def test_mlx_calls_the_optimized_cblas(tmp_path):
 def test_disabled_keeps_the_bundled_reference_blas(tmp_path):
     report, mlx_sgemm, stderr = run_child(tmp_path, disable=True)
     assert report["loaded"] is None
+    assert report["threads"] is None
     assert "T5_SPEC_NO_BLAS" in report["status"]
     assert is_bundled(mlx_sgemm), mlx_sgemm
     # The bundled library is private to libmlx.so: nothing defines cblas_sgemm globally.
