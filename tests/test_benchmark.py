@@ -62,7 +62,14 @@ def test_benchmark_runs_and_writes_its_results(converted_pair, tmp_path):
     assert "speedup" in run.stdout and "predicted" in run.stdout
 
 
-def test_benchmark_refuses_bad_settings(converted_pair):
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (["--delta", "0,2"], "--delta values must be in [0, 1]"),
+        (["--hf-threads", "0"], "--hf-threads must be >= 1"),
+    ],
+)
+def test_benchmark_refuses_bad_settings(setting, message, converted_pair):
     main_dir, draft_dir = converted_pair
     run = subprocess.run(
         [
@@ -70,7 +77,7 @@ def test_benchmark_refuses_bad_settings(converted_pair):
             str(ROOT / "benchmark.py"),
             "--model-name", str(main_dir),
             "--draft-model-name", str(draft_dir),
-            "--delta", "0,2",
+            *setting,
         ],
         capture_output=True,
         text=True,
@@ -78,4 +85,4 @@ def test_benchmark_refuses_bad_settings(converted_pair):
         check=False,
     )  # fmt: skip
     assert run.returncode != 0
-    assert run.stderr.strip().splitlines() == ["error: --delta values must be in [0, 1]"]
+    assert run.stderr.strip().splitlines() == [f"error: {message}"]
