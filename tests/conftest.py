@@ -94,8 +94,8 @@ DRAFT_NOISE = 0.15
 
 
 @pytest.fixture(scope="session")
-def converted_pair(tmp_path_factory, main_checkpoint, converted):
-    """Converted directories of the main model and of its draft: the main
+def hf_pair(tmp_path_factory, main_checkpoint):
+    """Hugging Face checkpoints of the main model and of its draft: the main
     model with a perturbed output projection, so that the two agree on most
     tokens but not all. (Perturbing every weight of these tiny random models
     leaves a draft that agrees with almost nothing.)"""
@@ -106,8 +106,14 @@ def converted_pair(tmp_path_factory, main_checkpoint, converted):
     noise = torch.randn(lm_head.shape, generator=torch.Generator().manual_seed(0))
     tensors["lm_head.weight"] = lm_head + noise * lm_head.std() * DRAFT_NOISE
     save_file(tensors, hf_draft / "model.safetensors", metadata={"format": "pt"})
+    return main_checkpoint, hf_draft
+
+
+@pytest.fixture(scope="session")
+def converted_pair(tmp_path_factory, hf_pair, converted):
+    """``hf_pair`` converted: the main model's and the draft's directories."""
     out = tmp_path_factory.mktemp("mlx") / "draft"
-    convert.convert(str(hf_draft), out, "float32")
+    convert.convert(str(hf_pair[1]), out, "float32")
     return converted("main"), out
 
 

@@ -62,6 +62,39 @@ def test_benchmark_runs_and_writes_its_results(converted_pair, tmp_path):
     assert "speedup" in run.stdout and "predicted" in run.stdout
 
 
+def test_benchmark_compares_with_transformers(hf_pair, converted_pair, tmp_path):
+    (hf_main, hf_draft), (main_dir, draft_dir) = hf_pair, converted_pair
+    output = tmp_path / "results"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmark.py"),
+            "--model-name", str(main_dir),
+            "--draft-model-name", str(draft_dir),
+            "--num-draft", "2",
+            "--temp", "0",
+            "--max-tokens", "10",
+            "--compare-hf",
+            "--hf-model", str(hf_main),
+            "--hf-draft", str(hf_draft),
+            "--hf-threads", "1",
+            "--output", str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = json.loads(output.with_suffix(".json").read_text())["transformers"]
+    # transformers' greedy generate and our regular decoding agree token for token.
+    prompts = report["greedy_tokens_match"].split("/")[1]
+    assert report["greedy_tokens_match"] == f"{prompts}/{prompts}"
+    assert report["num_draft"] == 2 and report["torch_threads"] == 1
+    assert set(report["tokens_per_s"]) == {"greedy", "assisted", "ours_regular", "ours_speculative"}
+    assert all(speed > 0 for speed in report["tokens_per_s"].values())
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
