@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import blas  # loads an optimized BLAS on Linux: must come before mlx is imported
+from main import ArgumentParser
 
 PROMPTS = [
     "translate English to German: The museum opens at nine and closes early on Sundays.",
@@ -107,8 +110,8 @@ def parse_list(kind: type):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--model-name", required=True, help="main model: converted name or directory")
     add("--draft-model-name", required=True, help="draft model: converted name or directory")
@@ -141,6 +144,10 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--max-tokens must be >= 1")
     if args.hf_threads is not None and args.hf_threads < 1:
         raise ValueError("--hf-threads must be >= 1")
+    # Found out now, not after the whole run.
+    output_dir = args.output.parent
+    if output_dir.exists() and not os.access(output_dir, os.W_OK):
+        raise ValueError(f"cannot write results to {output_dir}")
     if args.compare_hf:
         for flag, path in (("--hf-model", args.hf_model), ("--hf-draft", args.hf_draft)):
             if path is None or not (path / "config.json").is_file():
@@ -228,15 +235,25 @@ def format_table(rows: list[Row]) -> str:
     )
 
 
+def write_whole(path: Path, write) -> None:
+    """Call ``write(file)`` on a temporary file beside ``path``, then rename it
+    into place, so that an interrupted write never leaves half a file."""
+    temporary = path.with_name(f".{path.name}.partial")
+    with temporary.open("wb") as file:
+        write(file)
+    os.replace(temporary, path)
+
+
 def write_outputs(rows: list[Row], extra: dict, output: Path) -> list[Path]:
     """OUTPUT.csv, OUTPUT.json and, with matplotlib, OUTPUT.png."""
-    output.parent.mkdir(parents=True, exist_ok=True)
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=[name for name, _, _ in COLUMNS])
+    writer.writeheader()
+    writer.writerows(asdict(row) for row in rows)
+    report = json.dumps({**extra, "rows": [asdict(r) for r in rows]}, indent=2)
     written = [output.with_suffix(".csv"), output.with_suffix(".json")]
-    with written[0].open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=[name for name, _, _ in COLUMNS])
-        writer.writeheader()
-        writer.writerows(asdict(row) for row in rows)
-    written[1].write_text(json.dumps({**extra, "rows": [asdict(r) for r in rows]}, indent=2))
+    for path, text in zip(written, (table.getvalue(), report)):
+        write_whole(path, lambda file, text=text: file.write(text.encode()))
     try:
         import matplotlib
 
@@ -260,7 +277,7 @@ def write_outputs(rows: list[Row], extra: dict, output: Path) -> list[Path]:
         axis.legend()
     figure.tight_layout()
     written.append(output.with_suffix(".png"))
-    figure.savefig(written[-1], dpi=120)
+    write_whole(written[-1], lambda file: figure.savefig(file, format="png", dpi=120))
     return written
 
 
@@ -325,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         validate(args)
+        args.output.parent.mkdir(parents=True, exist_ok=True)
         prompts = read_prompts(args.prompts)
         import mlx.core as mx
         from tqdm import tqdm
@@ -377,7 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         best = max(greedy_rows, key=lambda row: row.speedup).num_draft
         extra["transformers"] = compare_with_transformers(args, prompts, decoder, best)
         print(json.dumps(extra["transformers"], indent=2))
-    for path in write_outputs(rows, extra, args.output):
+    try:
+        written = write_outputs(rows, extra, args.output)
+    except OSError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    for path in written:
         print(f"wrote {path}")
     return 0
 

@@ -71,6 +71,7 @@ from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 from transformers.utils import logging as hf_logging
 
 import convert
+from main import ArgumentParser
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2  # T5's special ids; the decoder starts from PAD_ID
 VOCAB_SIZE = 3000
@@ -827,7 +828,7 @@ def measure_mlx(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command-line options."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Build a trained draft T5 and a main T5 grown from it, for benchmarking."
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory")

@@ -10,7 +10,6 @@ The output directory holds ``weights.npz`` (MLX parameter names),
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -23,6 +22,7 @@ from pathlib import Path
 import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 
+from main import ArgumentParser
 from model import T5, ModelArgs
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -236,7 +236,7 @@ def convert(model: str, out: Path, dtype: str = "bfloat16") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Convert a Hugging Face T5 checkpoint to MLX.")
+    parser = ArgumentParser(description="Convert a Hugging Face T5 checkpoint to MLX.")
     parser.add_argument(
         "--model",
         required=True,

@@ -21,6 +21,9 @@ DEFAULT_PROMPT = (
 
 
 class ArgumentParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage text), exit status 2.
+    Every command of the project uses it."""
+
     def error(self, message: str):
         self.exit(2, f"error: {message}\n")
 
