@@ -11,6 +11,23 @@ from conftest import ROOT
 from benchmark import predicted_speedup
 
 
+def run_benchmark(main_dir, draft_dir, *options: str) -> subprocess.CompletedProcess:
+    """``benchmark.py`` on the tiny pair, in a child process, as a user runs it."""
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmark.py"),
+            "--model-name", str(main_dir),
+            "--draft-model-name", str(draft_dir),
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )  # fmt: skip
+
+
 def test_predicted_speedup_follows_the_paper():
     # alpha = 0.75, g = 3, c = 0.1: (1 - 0.75^4) / (0.25 * 1.3)
     assert predicted_speedup(0.75, 3, 0.1) == pytest.approx((1 - 0.75**4) / (0.25 * 1.3))
@@ -29,22 +46,13 @@ def test_predicted_speedup_follows_the_paper():
 def test_benchmark_runs_and_writes_its_results(converted_pair, tmp_path):
     main_dir, draft_dir = converted_pair
     output = tmp_path / "results"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmark.py"),
-            "--model-name", str(main_dir),
-            "--draft-model-name", str(draft_dir),
-            "--num-draft", "1,3",
-            "--delta", "0,1",
-            "--temp", "0",
-            "--max-tokens", "12",
-            "--output", str(output),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    run = run_benchmark(
+        main_dir, draft_dir,
+        "--num-draft", "1,3",
+        "--delta", "0,1",
+        "--temp", "0",
+        "--max-tokens", "12",
+        "--output", str(output),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     rows = list(csv.DictReader(output.with_suffix(".csv").open()))
@@ -59,31 +67,23 @@ def test_benchmark_runs_and_writes_its_results(converted_pair, tmp_path):
     assert all(float(r["alpha"]) == 1.0 for r in rows if r["delta"] == "1.0")
     report = json.loads(output.with_suffix(".json").read_text())
     assert len(report["rows"]) == 4 and report["max_tokens"] == 12
+    assert not list(tmp_path.glob(".*.partial"))  # each file written whole, then renamed
     assert "speedup" in run.stdout and "predicted" in run.stdout
 
 
 def test_benchmark_compares_with_transformers(hf_pair, converted_pair, tmp_path):
     (hf_main, hf_draft), (main_dir, draft_dir) = hf_pair, converted_pair
     output = tmp_path / "results"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmark.py"),
-            "--model-name", str(main_dir),
-            "--draft-model-name", str(draft_dir),
-            "--num-draft", "2",
-            "--temp", "0",
-            "--max-tokens", "10",
-            "--compare-hf",
-            "--hf-model", str(hf_main),
-            "--hf-draft", str(hf_draft),
-            "--hf-threads", "1",
-            "--output", str(output),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    run = run_benchmark(
+        main_dir, draft_dir,
+        "--num-draft", "2",
+        "--temp", "0",
+        "--max-tokens", "10",
+        "--compare-hf",
+        "--hf-model", str(hf_main),
+        "--hf-draft", str(hf_draft),
+        "--hf-threads", "1",
+        "--output", str(output),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     report = json.loads(output.with_suffix(".json").read_text())["transformers"]
@@ -100,22 +100,11 @@ def test_benchmark_compares_with_transformers(hf_pair, converted_pair, tmp_path)
     [
         (["--delta", "0,2"], "--delta values must be in [0, 1]"),
         (["--hf-threads", "0"], "--hf-threads must be >= 1"),
+        (["--num-draft", "x"], "argument --num-draft: 'x' is not a list of int"),
     ],
 )
 def test_benchmark_refuses_bad_settings(setting, message, converted_pair):
     main_dir, draft_dir = converted_pair
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmark.py"),
-            "--model-name", str(main_dir),
-            "--draft-model-name", str(draft_dir),
-            *setting,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )  # fmt: skip
+    run = run_benchmark(main_dir, draft_dir, *setting)
     assert run.returncode != 0
     assert run.stderr.strip().splitlines() == [f"error: {message}"]
