@@ -22,7 +22,7 @@ from pathlib import Path
 import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 
-from main import ArgumentParser
+from cli import ArgumentParser
 from model import T5, ModelArgs
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+# First: the fast BLAS on Linux must load before mlx (see model.py).
+import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from model import T5, DecoderCache, ModelArgs, load_config
@@ -136,7 +138,9 @@ class GenerationResult:
     n_accepted: int = 0  # draft tokens accepted
     n_rejected: int = 0  # draft tokens tested and rejected (at most one per round)
     n_steps: int = 0  # main-model decoder passes
-    elapsed: float = 0.0  # seconds, prompt encoding included
+    prompt_tokens: int = 0  # tokens of the prompt, end-of-sequence included
+    prompt_time: float = 0.0  # seconds encoding the prompt (both models, cross-attention too)
+    elapsed: float = 0.0  # seconds in all, prompt processing included
 
     @property
     def acceptance_rate(self) -> float:
@@ -144,8 +148,18 @@ class GenerationResult:
         return self.n_accepted / self.n_draft if self.n_draft else 0.0
 
     @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time else 0.0
+
+    @property
+    def generation_time(self) -> float:
+        """Seconds spent generating, after the prompt was processed."""
+        return self.elapsed - self.prompt_time
+
+    @property
     def tokens_per_second(self) -> float:
-        return len(self.tokens) / self.elapsed if self.elapsed else 0.0
+        """Generated tokens per second of generation (prompt processing excluded)."""
+        return len(self.tokens) / self.generation_time if self.generation_time > 0 else 0.0
 
 
 def load_tokenizer(path: str | Path):
@@ -283,10 +297,18 @@ class SpeculativeDecoder:
         prompt_ids = self._prompt_ids(prompt)
         eos = self.model.args.eos_token_id
         main_cache = self.model.make_cache(self.model.encode(prompt_ids))
+        caches = [main_cache]
         if speculative:
             draft_cache = self.draft_model.make_cache(self.draft_model.encode(prompt_ids))
+            caches.append(draft_cache)
+        # Prompt processing ends here, so generation speed can be told apart from it.
+        mx.eval([cache.cross_keys_values for cache in caches])
         sequence = [self.model.args.decoder_start_token_id]
-        result = GenerationResult(tokens=[])
+        result = GenerationResult(
+            tokens=[],
+            prompt_tokens=prompt_ids.shape[1],
+            prompt_time=time.perf_counter() - start,
+        )
         while len(result.tokens) < max_tokens:
             # Never propose more tokens than may still be generated.
             num_draft = min(self.num_draft, max_tokens - len(result.tokens) - 1)

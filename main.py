@@ -9,41 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 # Before anything imports mlx: on Linux it loads an optimized BLAS, which MLX uses only if first.
-import blas  # noqa: F401
+import blas  # noqa: F401  # isort: skip
+from cli import POSITIVE, ArgumentParser, checked, read_prompt, resolve_model
 
 DEFAULT_PROMPT = (
     "translate English to German: The old bridge across the river was closed "
     "for repairs, so we took the ferry to the market."
 )
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (no usage text), exit status 2.
-    Every command of the project uses it."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n")
-
-
-def checked(kind: type, condition, requirement: str):
-    """An argparse type: a ``kind`` value that satisfies ``condition``."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
-        if not condition(value):
-            raise argparse.ArgumentTypeError(f"{text} is not {requirement}")
-        return value
-
-    return parse
-
-
-POSITIVE = checked(int, lambda n: n >= 1, ">= 1")
 
 
 def build_parser() -> ArgumentParser:
@@ -55,7 +29,7 @@ def build_parser() -> ArgumentParser:
         default="t5-small",
         help="draft model: converted name or directory",
     )
-    add("--prompt", default=DEFAULT_PROMPT, help="the input text")
+    add("--prompt", default=DEFAULT_PROMPT, help="the input text; - reads it from standard input")
     add("--num-draft", type=POSITIVE, default=5, help="draft tokens per main-model pass")
     add(
         "--delta",
@@ -87,19 +61,27 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def resolve_model(name: str) -> Path:
-    """A directory written by convert.py: ``name`` itself, or ``mlx_models/<name>``."""
-    for path in (Path(name), Path("mlx_models") / name.replace("/", "-")):
-        if (path / "config.json").is_file() and (path / "weights.npz").is_file():
-            return path
-    raise FileNotFoundError(
-        f"model {name!r} is not converted; run: python convert.py --model {name}"
+def print_summary(result, speculative: bool) -> None:
+    """The numbers of a run, in mlx-lm's layout: prompt and generation apart."""
+    import mlx.core as mx
+
+    print("=" * 40)
+    print(f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tokens_per_second:.1f} tokens/s")
+    print(f"Generation: {len(result.tokens)} tokens, {result.tokens_per_second:.1f} tokens/s")
+    print(f"Main-model passes: {result.n_steps}")
+    if speculative:
+        print(
+            f"Draft tokens accepted: {result.n_accepted}/{result.n_draft} "
+            f"({100 * result.acceptance_rate:.1f}%)"
+        )
+    peak = mx.get_peak_memory()
+    print(
+        f"Peak memory: {peak / 1e9:.3f} GB" if peak >= 1e8 else f"Peak memory: {peak / 1e6:.2f} MB"
     )
 
 
 def run(args: argparse.Namespace) -> None:
-    if not args.prompt.strip():
-        raise ValueError("the prompt is empty")
+    prompt = read_prompt(args.prompt)
     # mlx, transformers and the models load only once the arguments are known good.
     from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
     from model import load_model
@@ -121,7 +103,7 @@ def run(args: argparse.Namespace) -> None:
     printed = ""
     result = None
     for result in decoder.stream(
-        args.prompt,
+        prompt,
         speculative=not args.regular_decode,
         max_tokens=args.max_tokens,
         temp=args.temp,
@@ -133,16 +115,7 @@ def run(args: argparse.Namespace) -> None:
             print(result.text[len(printed) :], end="", flush=True)
             printed = result.text
     print()
-    print("=" * 40)
-    print(
-        f"tokens generated: {len(result.tokens)}, {result.tokens_per_second:.1f} tokens/s, "
-        f"main-model passes: {result.n_steps}"
-    )
-    if not args.regular_decode:
-        print(
-            f"draft tokens accepted: {result.n_accepted}/{result.n_draft} "
-            f"({100 * result.acceptance_rate:.1f}%)"
-        )
+    print_summary(result, speculative=not args.regular_decode)
 
 
 def main(argv: list[str] | None = None) -> int:

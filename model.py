@@ -14,6 +14,9 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+# First, so that importing this module (or decoder) from Python gets the fast
+# BLAS on Linux too: MLX binds to an optimized BLAS only if it is loaded before mlx.
+import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 from mlx import nn
 

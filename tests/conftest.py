@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # Before anything imports mlx (convert does): on Linux it loads an optimized BLAS for MLX.
 import blas  # noqa: F401  # isort: skip

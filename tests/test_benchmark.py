@@ -6,9 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
-
 from benchmark import predicted_speedup
+from conftest import ROOT
 
 
 def run_benchmark(main_dir, draft_dir, *options: str) -> subprocess.CompletedProcess:
@@ -16,7 +15,7 @@ def run_benchmark(main_dir, draft_dir, *options: str) -> subprocess.CompletedPro
     return subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmark.py"),
+            str(ROOT / "benchmarks" / "benchmark.py"),
             "--model-name", str(main_dir),
             "--draft-model-name", str(draft_dir),
             *options,

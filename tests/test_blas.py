@@ -28,6 +28,9 @@ import ctypes, json, os, sys
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "mlx-first":
     import mlx.core
+elif sys.argv[2] == "readme":  # the README's Python snippet, which never names blas
+    from decoder import SpeculativeDecoder, load_tokenizer
+    from model import load_model
 import blas
 import mlx.core as mx
 
@@ -119,6 +122,15 @@ def test_mlx_calls_the_optimized_cblas(tmp_path):
     assert report["threads"] >= 1
     # MLX's reference libblas is still mapped (libmlx.so needs it), just not called.
     assert any(is_bundled(path) for path in report["mapped"])
+    assert stderr == ""
+
+
+def test_the_python_api_gets_the_optimized_cblas(tmp_path):
+    """``from decoder import ...; from model import load_model``, as the README shows."""
+    report, mlx_sgemm, stderr = run_child(tmp_path, order="readme")
+    assert report["loaded"] is not None, report["status"]
+    assert mlx_sgemm == os.path.realpath(report["loaded"])
+    assert not is_bundled(mlx_sgemm)
     assert stderr == ""
 
 

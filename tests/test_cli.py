@@ -24,8 +24,13 @@ MAIN_PY = ROOT / "main.py"
 PROMPT = "translate English to German: the house is small."
 MAX_TOKENS = 20
 SEPARATOR = "=" * 40
-STATS = re.compile(r"tokens generated: (\d+), ([\d.]+) tokens/s, main-model passes: (\d+)")
-ACCEPTANCE = re.compile(r"draft tokens accepted: (\d+)/(\d+) \(([\d.]+)%\)")
+STATS = re.compile(
+    r"Prompt: (\d+) tokens, ([\d.]+) tokens/s\n"
+    r"Generation: (\d+) tokens, ([\d.]+) tokens/s\n"
+    r"Main-model passes: (\d+)\n"
+)
+ACCEPTANCE = re.compile(r"Draft tokens accepted: (\d+)/(\d+) \(([\d.]+)%\)")
+PEAK_MEMORY = re.compile(r"Peak memory: ([\d.]+) [MG]B")
 GENERATE = ["--prompt", PROMPT, "-m", str(MAX_TOKENS)]
 SAMPLE = ["--temp", "1", "--top-p", "0.9", "--top-k", "20", "--seed", "3"]
 
@@ -84,10 +89,15 @@ def generated_text(stdout: str) -> str:
 
 
 def stats(stdout: str) -> tuple[int, float, int]:
-    """(tokens generated, tokens/s, main-model passes) from main.py's output."""
+    """(tokens generated, generation tokens/s, main-model passes) from main.py's output,
+    after checking the prompt and peak-memory lines."""
     match = STATS.search(stdout)
     assert match, stdout
-    return int(match[1]), float(match[2]), int(match[3])
+    prompt_tokens, prompt_tokens_per_second = int(match[1]), float(match[2])
+    assert prompt_tokens > 0 and prompt_tokens_per_second > 0, stdout
+    peak = PEAK_MEMORY.search(stdout)
+    assert peak and float(peak[1]) > 0, stdout
+    return int(match[3]), float(match[4]), int(match[5])
 
 
 def copy_model(source: Path, destination: Path) -> Path:
@@ -137,6 +147,30 @@ def test_speculative_run_prints_greedy_text_and_stats(models, greedy_reference, 
     assert 0 <= accepted <= proposed
     assert proposed > 0
     assert percent == pytest.approx(100 * accepted / proposed, abs=0.05)
+
+
+def test_prompt_from_standard_input(models, greedy_reference, tmp_path):
+    """``--prompt -`` reads the prompt from standard input; the summary counts its tokens."""
+    command = [sys.executable, str(MAIN_PY), *model_args(models), "--prompt", "-"]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result, empty = (
+        subprocess.run(
+            [*command, "-m", str(MAX_TOKENS)],
+            input=text,
+            cwd=tmp_path,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        for text in (PROMPT, " \n")
+    )
+    assert result.returncode == 0, result.stderr
+    assert generated_text(result.stdout) == greedy_reference.text
+    prompt_tokens = len(load_tokenizer(models[0])(PROMPT).input_ids)
+    assert STATS.search(result.stdout)[1] == str(prompt_tokens)
+    assert "prompt is empty" in assert_one_line_error(empty)
 
 
 def test_regular_decode_prints_the_same_text(models, greedy_reference, tmp_path):

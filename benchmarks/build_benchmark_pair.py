@@ -1,7 +1,7 @@
 """Build a main/draft T5 pair for benchmarking speculative decoding without downloads.
 
-    python build_benchmark_pair.py --out benchmark_models [--train-steps N] [--seed S]
-    python build_benchmark_pair.py --out benchmark_models --random-t5-shapes
+    python benchmarks/build_benchmark_pair.py --out benchmark_models [--train-steps N] [--seed S]
+    python benchmarks/build_benchmark_pair.py --out benchmark_models --random-t5-shapes
 
 The second form, run after the first, writes random-weight checkpoints of the real T5-base
 and T5-small shapes: for timing regular decoding against transformers, where only the
@@ -65,13 +65,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# The example's modules live one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import sentencepiece as spm
 import torch
 from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 from transformers.utils import logging as hf_logging
 
 import convert
-from main import ArgumentParser
+from cli import ArgumentParser
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2  # T5's special ids; the decoder starts from PAD_ID
 VOCAB_SIZE = 3000

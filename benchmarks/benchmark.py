@@ -1,6 +1,6 @@
 """Measure speculative decoding against regular decoding, and against the paper's prediction.
 
-    python benchmark.py --model-name MAIN --draft-model-name DRAFT \\
+    python benchmarks/benchmark.py --model-name MAIN --draft-model-name DRAFT \\
         [--num-draft 1,2,3,5,8] [--delta 0,0.1,0.5] [--temp 0,1] [--max-tokens 64] \\
         [--prompts FILE] [--output benchmark_results] [--compare-hf --hf-model DIR --hf-draft DIR [--hf-threads N]]
 
@@ -34,8 +34,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import blas  # loads an optimized BLAS on Linux: must come before mlx is imported
-from main import ArgumentParser
+# The example's modules live one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import blas  # an optimized BLAS on Linux: must come before mlx is imported
+from cli import ArgumentParser
 
 PROMPTS = [
     "translate English to German: The museum opens at nine and closes early on Sundays.",
@@ -347,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         import mlx.core as mx
         from tqdm import tqdm
 
+        from cli import resolve_model
         from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
-        from main import resolve_model
         from model import load_model
 
         model_path = resolve_model(args.model_name)
