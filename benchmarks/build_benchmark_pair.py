@@ -103,6 +103,7 @@ SIMULATED_NUM_DRAFTS = (3, 4, 5)  # num_draft values whose acceptance is compute
 MEASURE_NUM_DRAFTS = (3, 5)  # num_draft values measured with this repository's MLX decoder
 NUM_TUNE_PROMPTS = 48  # prompts used to tune the scale factor
 NUM_EVAL_PROMPTS = 10  # other prompts, used for the final measurement
+NUM_LONG_PROMPTS, LONG_PROMPT_TOKENS = 5, 400  # prompts-long.txt, for prompt processing
 BISECTION_STEPS = 7
 # Written beside the trained draft; a later run with the same settings reuses the draft.
 TRAINING_RECORD = "training.json"
@@ -857,9 +858,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def long_prompts(
+    paragraphs: Sequence[str], processor: spm.SentencePieceProcessor, count: int, rng: random.Random
+) -> list[str]:
+    """``count`` ``restore:`` prompts of at least LONG_PROMPT_TOKENS tokens, each a run of
+    consecutive paragraphs, corrupted: long inputs for timing prompt processing, and an
+    output that copies its input, as T5's real tasks often do."""
+    prompts = []
+    for _ in range(count):
+        start, end = rng.randrange(len(paragraphs)), 0
+        prompt = ""
+        while len(processor.encode(prompt)) < LONG_PROMPT_TOKENS:
+            end += 1
+            passage = " ".join(paragraphs[(start + i) % len(paragraphs)] for i in range(end))
+            prompt = f"restore: {corrupt(passage, rng)}"
+        prompts.append(prompt)
+    return prompts
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the pair into ``--out``: hf-draft, hf-main, draft, main, build_summary.json,
-    prompts.txt."""
+    prompts.txt and prompts-long.txt."""
     args = parse_args(argv)
     build_start = time.perf_counter()
     torch.set_num_threads(2)
@@ -992,6 +1011,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "build_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     # The prompts benchmark.py should use with this pair (--prompts): its own task style.
     (out / "prompts.txt").write_text("".join(f"{prompt}\n" for prompt in eval_prompts))
+    long = long_prompts(training, processor, NUM_LONG_PROMPTS, rng)
+    (out / "prompts-long.txt").write_text("".join(f"{prompt}\n" for prompt in long))
     return 0
 
 
