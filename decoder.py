@@ -12,14 +12,24 @@ One speculative round:
 
 So every round costs one main-model pass and adds between 1 and g+1 tokens.
 The host waits once per round, for the accepted count and the next token.
+
+Drafts come from a drafter: ``ModelDrafter`` (a small model),
+``PromptLookupDrafter`` (tokens that followed an earlier occurrence of the
+output's last n-gram, no model at all) or ``HybridDrafter`` (lookup where it
+matches, the model elsewhere). A lookup draft is a point mass: its proposal
+distribution q is one-hot, so ``verify`` needs no rule of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 # First: the fast BLAS on Linux must load before mlx (see model.py).
 import blas  # noqa: F401  # isort: skip
@@ -128,6 +138,175 @@ def verify(
     return num_accepted, candidates[num_accepted]
 
 
+# The most draft tokens "auto" proposes per round.
+MAX_AUTO_DRAFT = 16
+# Before a generation's first tested draft token, "auto" assumes this
+# acceptance rate, weighted as this many tested tokens.
+PRIOR_ACCEPTANCE = 0.75
+PRIOR_WEIGHT = 4
+
+
+def expected_tokens_per_round(alpha: float, num_draft: int) -> float:
+    """Leviathan et al., eq. 1: the expected tokens a round of ``num_draft``
+    draft tokens yields when each is accepted with probability ``alpha``,
+    ``(1 - alpha^(g+1)) / (1 - alpha)``."""
+    if alpha >= 1:
+        return num_draft + 1
+    return (1 - alpha ** (num_draft + 1)) / (1 - alpha)
+
+
+def best_num_draft(alpha: float, draft_cost: float, verify_costs: list[float]) -> int:
+    """The g in 1 .. len(verify_costs) - 1 with the most expected tokens per
+    unit of time, where a round of g draft tokens costs ``g * draft_cost +
+    verify_costs[g]``: g draft steps and a main pass over g + 1 tokens, both
+    relative to a main pass over one token (``verify_costs[0] == 1``). With
+    every verify cost 1 this is the paper's formula for the best g."""
+    return max(
+        range(1, len(verify_costs)),
+        key=lambda g: expected_tokens_per_round(alpha, g) / (g * draft_cost + verify_costs[g]),
+    )
+
+
+def pass_times(
+    model: T5, encoder_output: mx.array, max_length: int, repeats: int = 3
+) -> list[float]:
+    """Median seconds of one decoder pass of ``model`` over 1 .. ``max_length``
+    tokens, after one cached token, timed in rounds so drift hits every length."""
+    cache = model.make_cache(encoder_output)
+    start = mx.array([[model.args.decoder_start_token_id]])
+    mx.eval(model.decode(start, cache))
+    times = [[] for _ in range(max_length)]
+    for _ in range(repeats):
+        for length in range(1, max_length + 1):
+            tic = time.perf_counter()
+            mx.eval(model.decode(mx.repeat(start, length, axis=1), cache))
+            times[length - 1].append(time.perf_counter() - tic)
+            cache.trim(length)
+    return [statistics.median(t) for t in times]
+
+
+@dataclass
+class Draft:
+    """Tokens proposed for one round, and their proposal distributions."""
+
+    tokens: mx.array  # (g,)
+    probs: mx.array | None  # (g, vocabulary); None when greedy
+    source: str  # "model" or "lookup": whose acceptance estimate the round updates
+
+
+class ModelDrafter:
+    """Drafts with a small model, one token at a time, for one generation."""
+
+    source = "model"
+
+    def __init__(self, model: T5, prompt_ids: mx.array):
+        self.model = model
+        self.cache = model.make_cache(model.encode(prompt_ids))
+        mx.eval(self.cache.cross_keys_values)
+
+    def propose(
+        self, sequence: list[int], sampling: Sampling, budget: Callable[[str], int]
+    ) -> Draft:
+        """``budget("model")`` tokens, without waiting for them; the last one
+        is not fed back."""
+        inputs = mx.array([_catch_up(self.cache, sequence)])
+        tokens, probs = [], []
+        for _ in range(budget(self.source)):
+            logits = self.model.decode(inputs, self.cache)[0, -1]
+            token, token_probs = sampling.sample(logits)
+            # Start computing this token while Python builds the next step's
+            # graph; nothing waits for it until the round's single eval.
+            mx.async_eval(token)
+            tokens.append(token)
+            probs.append(token_probs)
+            inputs = token.reshape(1, 1)
+        draft_probs = None if sampling.greedy else mx.stack(probs)
+        return Draft(mx.stack(tokens), draft_probs, self.source)
+
+
+def find_continuation(tokens: list[int], max_ngram: int, min_ngram: int = 1) -> list[int]:
+    """The tokens that followed the latest earlier occurrence of the longest
+    n-gram (``max_ngram`` down to ``min_ngram``) that ends ``tokens``; empty
+    when none occurs earlier."""
+    array = np.array(tokens)
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        # Windows of tokens[:-1] end before the last token, so the n-gram
+        # never matches itself and something always follows a match.
+        windows = np.lib.stride_tricks.sliding_window_view(array[:-1], n)
+        matches = np.flatnonzero((windows == array[-n:]).all(axis=1))
+        if matches.size:
+            return tokens[matches[-1] + n :]
+    return []
+
+
+class PromptLookupDrafter:
+    """Drafts the tokens that followed the output's last n-gram where it
+    occurred before, in the prompt or in the output (prompt-lookup decoding).
+    The proposal is deterministic: a point mass."""
+
+    source = "lookup"
+
+    def __init__(self, prompt_ids: mx.array, vocab_size: int, max_ngram: int, min_ngram: int = 1):
+        self.prompt = prompt_ids[0].tolist()
+        self.vocab_size = vocab_size
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(
+        self, sequence: list[int], sampling: Sampling, budget: Callable[[str], int]
+    ) -> Draft | None:
+        """Up to ``budget("lookup")`` tokens, or None when no n-gram matches."""
+        output = sequence[1:]  # without the start token
+        if not output:
+            return None
+        found = find_continuation(self.prompt + output, self.max_ngram, self.min_ngram)
+        if not found:
+            return None
+        tokens = mx.array(found[: budget(self.source)])
+        probs = None
+        if not sampling.greedy:
+            probs = (mx.arange(self.vocab_size) == tokens[:, None]).astype(mx.float32)
+        return Draft(tokens, probs, self.source)
+
+
+class HybridDrafter:
+    """Prompt lookup where it finds a match, the draft model elsewhere."""
+
+    def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+
+    def propose(
+        self, sequence: list[int], sampling: Sampling, budget: Callable[[str], int]
+    ) -> Draft:
+        return self.lookup.propose(sequence, sampling, budget) or self.model.propose(
+            sequence, sampling, budget
+        )
+
+
+class DraftLength:
+    """Draft tokens per round: a fixed number, or for ``"auto"`` the g that
+    ``best_num_draft`` picks from this generation's acceptance rate so far
+    (kept apart for each draft source) and measured costs."""
+
+    def __init__(
+        self, num_draft: int | str, draft_costs: dict[str, float], verify_costs: list[float]
+    ):
+        self.num_draft = num_draft
+        self.draft_costs, self.verify_costs = draft_costs, verify_costs
+        sources = ("model", "lookup")
+        self.accepted = dict.fromkeys(sources, PRIOR_ACCEPTANCE * PRIOR_WEIGHT)
+        self.tested = dict.fromkeys(sources, float(PRIOR_WEIGHT))
+
+    def choose(self, source: str) -> int:
+        if self.num_draft != "auto":
+            return self.num_draft
+        alpha = self.accepted[source] / self.tested[source]
+        return best_num_draft(alpha, self.draft_costs[source], self.verify_costs)
+
+    def update(self, source: str, num_accepted: int, num_tested: int) -> None:
+        self.accepted[source] += num_accepted
+        self.tested[source] += num_tested
+
+
 @dataclass
 class GenerationResult:
     """The tokens and text generated so far, and what it cost."""
@@ -138,6 +317,13 @@ class GenerationResult:
     n_accepted: int = 0  # draft tokens accepted
     n_rejected: int = 0  # draft tokens tested and rejected (at most one per round)
     n_steps: int = 0  # main-model decoder passes
+    from_draft: list[bool] = dataclasses.field(
+        default_factory=list
+    )  # per token: an accepted draft token
+    draft_lengths: list[int] = dataclasses.field(
+        default_factory=list
+    )  # per round: draft tokens proposed
+    n_lookup_rounds: int = 0  # rounds drafted by prompt lookup
     prompt_tokens: int = 0  # tokens of the prompt, end-of-sequence included
     prompt_time: float = 0.0  # seconds encoding the prompt (both models, cross-attention too)
     elapsed: float = 0.0  # seconds in all, prompt processing included
@@ -221,21 +407,26 @@ def _catch_up(cache: DecoderCache, sequence: list[int]) -> list[int]:
 
 
 class SpeculativeDecoder:
-    """Decodes with ``model``, using ``draft_model`` to propose ``num_draft``
-    tokens per main-model pass; ``delta`` in [0, 1] relaxes acceptance."""
+    """Decodes with ``model``. Drafts come from ``draft_model``, from prompt
+    lookup of n-grams up to ``prompt_lookup`` tokens long (0: off), or from
+    both (lookup first). ``num_draft`` is the number of draft tokens per
+    round, or ``"auto"``; ``delta`` in [0, 1] relaxes acceptance."""
 
     def __init__(
         self,
         model: T5,
         draft_model: T5 | None,
         tokenizer,
-        num_draft: int = 5,
+        num_draft: int | str = 5,
         delta: float = 0.0,
+        prompt_lookup: int = 0,
     ):
-        if num_draft < 1:
-            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        if num_draft != "auto" and not (isinstance(num_draft, int) and num_draft >= 1):
+            raise ValueError(f"num_draft must be >= 1 or 'auto', got {num_draft!r}")
         if not 0 <= delta <= 1:
             raise ValueError(f"delta must be in [0, 1], got {delta}")
+        if prompt_lookup < 0:
+            raise ValueError(f"prompt_lookup must be >= 0, got {prompt_lookup}")
         if draft_model is not None:
             check_draft_compatible(model.args, draft_model.args)
         self.model = model
@@ -243,6 +434,17 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.num_draft = num_draft
         self.delta = delta
+        self.prompt_lookup = prompt_lookup
+        self._costs = {}  # measured once: see _measure_costs
+
+    @property
+    def drafting(self) -> str:
+        """The drafting mode: "draft model", "prompt lookup", "hybrid" or "none"."""
+        if self.prompt_lookup and self.draft_model is not None:
+            return "hybrid"
+        if self.prompt_lookup:
+            return "prompt lookup"
+        return "none" if self.draft_model is None else "draft model"
 
     def _prompt_ids(self, prompt: str | list[int]) -> mx.array:
         ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
@@ -250,28 +452,37 @@ class SpeculativeDecoder:
             raise ValueError("the prompt is empty")
         return mx.array([ids])
 
-    def _draft(
-        self,
-        pending: list[int],
-        cache: DecoderCache,
-        num_draft: int,
-        sampling: Sampling,
-    ) -> tuple[mx.array, mx.array | None]:
-        """Propose ``num_draft`` tokens without waiting for them; the last one
-        is not fed back."""
-        inputs = mx.array([pending])
-        tokens, probs = [], []
-        for _ in range(num_draft):
-            logits = self.draft_model.decode(inputs, cache)[0, -1]
-            token, token_probs = sampling.sample(logits)
-            # Start computing this token while Python builds the next step's
-            # graph; nothing waits for it until the round's single eval.
-            mx.async_eval(token)
-            tokens.append(token)
-            probs.append(token_probs)
-            inputs = token.reshape(1, 1)
-        draft_probs = None if sampling.greedy else mx.stack(probs)
-        return mx.stack(tokens), draft_probs
+    def _drafter(self, prompt_ids: mx.array):
+        """A drafter for one generation of ``prompt_ids``."""
+        vocab_size = self.model.args.vocab_size
+        if self.drafting == "prompt lookup":
+            return PromptLookupDrafter(prompt_ids, vocab_size, self.prompt_lookup)
+        model_drafter = ModelDrafter(self.draft_model, prompt_ids)
+        if self.drafting == "draft model":
+            return model_drafter
+        # Single-token matches are weak; the draft model does better there.
+        lookup = PromptLookupDrafter(
+            prompt_ids, vocab_size, self.prompt_lookup, min(2, self.prompt_lookup)
+        )
+        return HybridDrafter(lookup, model_drafter)
+
+    def _measure_costs(self, prompt_ids: mx.array) -> tuple[dict[str, float], list[float]]:
+        """For "auto", once per decoder (the first generation pays for it):
+        a draft step's time over a main step's, for each draft source, and a
+        main pass over 1 .. MAX_AUTO_DRAFT + 1 tokens relative to one token."""
+        if "verify" not in self._costs:
+            main = pass_times(self.model, self.model.encode(prompt_ids), MAX_AUTO_DRAFT + 1)
+            self._costs["verify"] = [t / main[0] for t in main]
+            self._costs["main step"] = main[0]
+        # Looking up draft tokens costs next to nothing.
+        draft_costs = {"lookup": 0.0}
+        if self.draft_model is not None:
+            if id(self.draft_model) not in self._costs:
+                encoder_output = self.draft_model.encode(prompt_ids)
+                draft_step = pass_times(self.draft_model, encoder_output, 1)[0]
+                self._costs[id(self.draft_model)] = draft_step / self._costs["main step"]
+            draft_costs["model"] = self._costs[id(self.draft_model)]
+        return draft_costs, self._costs["verify"]
 
     def stream(
         self,
@@ -285,24 +496,24 @@ class SpeculativeDecoder:
         seed: int | None = None,
     ) -> Iterator[GenerationResult]:
         """Decode ``prompt`` and yield the running result after every
-        main-model pass. Regular decoding (``speculative=False``, or no draft
-        model) is the same loop with no draft tokens."""
+        main-model pass. Regular decoding (``speculative=False``, or nothing
+        to draft with) is the same loop with no draft tokens."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         sampling = Sampling(temp, top_p, top_k)
-        speculative = speculative and self.draft_model is not None
+        speculative = speculative and self.drafting != "none"
         if seed is not None:
             mx.random.seed(seed)
         start = time.perf_counter()
         prompt_ids = self._prompt_ids(prompt)
         eos = self.model.args.eos_token_id
         main_cache = self.model.make_cache(self.model.encode(prompt_ids))
-        caches = [main_cache]
-        if speculative:
-            draft_cache = self.draft_model.make_cache(self.draft_model.encode(prompt_ids))
-            caches.append(draft_cache)
         # Prompt processing ends here, so generation speed can be told apart from it.
-        mx.eval([cache.cross_keys_values for cache in caches])
+        mx.eval(main_cache.cross_keys_values)
+        drafter = self._drafter(prompt_ids) if speculative else None
+        if drafter is not None:
+            costs = self._measure_costs(prompt_ids) if self.num_draft == "auto" else ({}, [])
+            draft_length = DraftLength(self.num_draft, *costs)
         sequence = [self.model.args.decoder_start_token_id]
         result = GenerationResult(
             tokens=[],
@@ -311,26 +522,27 @@ class SpeculativeDecoder:
         )
         while len(result.tokens) < max_tokens:
             # Never propose more tokens than may still be generated.
-            num_draft = min(self.num_draft, max_tokens - len(result.tokens) - 1)
-            num_draft = num_draft if speculative else 0
-            pending = _catch_up(main_cache, sequence)
-            if num_draft > 0:
-                draft_pending = _catch_up(draft_cache, sequence)
-                draft_tokens, draft_probs = self._draft(
-                    draft_pending, draft_cache, num_draft, sampling
+            limit = max_tokens - len(result.tokens) - 1
+            draft = None
+            if drafter is not None and limit > 0:
+                draft = drafter.propose(
+                    sequence,
+                    sampling,
+                    lambda source, limit=limit: min(draft_length.choose(source), limit),
                 )
-                inputs = mx.concatenate([mx.array(pending), draft_tokens])
-            else:
-                draft_tokens, draft_probs = mx.array([], mx.int32), None
-                inputs = mx.array(pending)
+            if draft is None:
+                draft = Draft(mx.array([], mx.int32), None, "none")
+            num_draft = draft.tokens.shape[0]
+            pending = _catch_up(main_cache, sequence)
+            inputs = mx.concatenate([mx.array(pending), draft.tokens])
             logits = self.model.decode(inputs[None], main_cache)[0]
             num_accepted, next_token = verify(
-                draft_tokens, draft_probs, logits, sampling, self.delta
+                draft.tokens, draft.probs, logits, sampling, self.delta
             )
-            mx.eval(num_accepted, next_token, draft_tokens)
+            mx.eval(num_accepted, next_token, draft.tokens)
 
             num_accepted = num_accepted.item()
-            new_tokens = draft_tokens[:num_accepted].tolist() + [next_token.item()]
+            new_tokens = draft.tokens[:num_accepted].tolist() + [next_token.item()]
             rejected = num_accepted < num_draft
             finished = eos in new_tokens
             if finished:
@@ -338,12 +550,17 @@ class SpeculativeDecoder:
                 if end < num_accepted:  # the draft's own EOS: later draft tokens went untested
                     num_accepted, rejected = end + 1, False
                 new_tokens = new_tokens[:end]
+            if num_draft > 0:
+                draft_length.update(draft.source, num_accepted, num_accepted + int(rejected))
+                result.draft_lengths.append(num_draft)
+                result.n_lookup_rounds += draft.source == "lookup"
             result.n_steps += 1
             result.n_draft += num_draft
             result.n_accepted += num_accepted
             result.n_rejected += int(rejected)
             sequence += new_tokens
             result.tokens += new_tokens
+            result.from_draft += [i < num_accepted for i in range(len(new_tokens))]
             result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
             result.elapsed = time.perf_counter() - start
             yield result

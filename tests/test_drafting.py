@@ -1,0 +1,176 @@
+"""Drafting modes: prompt lookup, hybrid and ``num_draft="auto"`` keep the main
+model's greedy output; the auto rule's formula; ``from_draft``."""
+
+import mlx.core as mx
+import pytest
+
+from decoder import (
+    DraftLength,
+    SpeculativeDecoder,
+    best_num_draft,
+    expected_tokens_per_round,
+    find_continuation,
+)
+
+PROMPTS = [
+    "restore: the house is small and the garden is green behind the old wall.",
+    "restore: the children walked to the old market by the river in the morning.",
+    "restore: where is the big red book? the book lies on the kitchen table.",
+]
+MAX_TOKENS = 40
+
+
+class CopyingModel:
+    """The main model, nudged to copy its prompt: at four output positions of
+    five, the prompt token at that position gets a large logit bonus; at the
+    fifth the model chooses alone. Its output copies long spans of the
+    prompt but not all of it, as a restoring or correcting model does. It
+    never ends a sequence, so every run fills max_tokens. The decoder sees
+    only ``args``, ``encode``, ``make_cache`` and ``decode``."""
+
+    def __init__(self, model):
+        self.model = model
+        self.args = model.args
+
+    def encode(self, prompt_ids: mx.array) -> mx.array:
+        self.source = prompt_ids[0, :-1]  # the prompt without its end of sequence
+        return self.model.encode(prompt_ids)
+
+    def make_cache(self, encoder_output: mx.array):
+        return self.model.make_cache(encoder_output)
+
+    def decode(self, inputs: mx.array, cache) -> mx.array:
+        positions = cache.offset + mx.arange(inputs.shape[1])
+        logits = self.model.decode(inputs, cache)
+        copied = self.source[positions % self.source.shape[0]]
+        vocabulary = mx.arange(logits.shape[-1])
+        bonus = (vocabulary == copied[:, None]) & (positions % 5 != 4)[:, None]
+        return mx.where(vocabulary == self.args.eos_token_id, -mx.inf, logits + 100.0 * bonus)
+
+
+@pytest.fixture(scope="module")
+def copying_pair(decoding_pair):
+    model, draft_model, tokenizer = decoding_pair
+    return CopyingModel(model), draft_model, tokenizer
+
+
+def decode_all(decoder: SpeculativeDecoder, **options) -> dict[str, int]:
+    """Decode every prompt regularly and speculatively, check that the tokens
+    are equal, and return the speculative runs' totals."""
+    totals = dict.fromkeys(["proposed", "accepted", "rejected", "lookup_rounds", "rounds"], 0)
+    for prompt in PROMPTS:
+        regular = decoder.generate(prompt, max_tokens=MAX_TOKENS, **options)
+        speculative = decoder.speculative_decode(prompt, max_tokens=MAX_TOKENS, **options)
+        assert speculative.tokens == regular.tokens
+        totals["proposed"] += speculative.n_draft
+        totals["accepted"] += speculative.n_accepted
+        totals["rejected"] += speculative.n_rejected
+        totals["lookup_rounds"] += speculative.n_lookup_rounds
+        totals["rounds"] += len(speculative.draft_lengths)
+    return totals
+
+
+def test_expected_tokens_per_round_is_the_papers():
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(1.0, 3) == 4.0
+
+
+def test_best_num_draft():
+    # alpha 0.75, c 0.1, flat verify costs: (1 - 0.75^(g+1)) / (0.25 (1 + 0.1 g))
+    # is 2.179 at g = 4, 2.192 at g = 5 and 2.166 at g = 6.
+    flat = [1.0] * 17
+    assert best_num_draft(0.75, 0.1, flat) == 5
+    # A main pass over 5 tokens 10% cheaper than one over 1: g = 4 gives 3.051 / 1.3.
+    assert best_num_draft(0.75, 0.1, [1.0] * 4 + [0.9] + [1.0] * 12) == 4
+    assert best_num_draft(0.2, 0.5, flat) == 1
+    assert best_num_draft(0.99, 0.0, flat) == 16
+
+
+def test_auto_draft_length_follows_acceptance():
+    length = DraftLength("auto", {"model": 0.1, "lookup": 0.0}, [1.0] * 17)
+    assert length.choose("model") == 5  # the prior, alpha 0.75
+    for _ in range(20):
+        length.update("model", 0, 1)  # every tested token rejected
+        length.update("lookup", 6, 6)  # every one accepted
+    assert length.choose("model") == 1
+    assert length.choose("lookup") == 16
+    assert DraftLength(3, {}, []).choose("model") == 3
+
+
+@pytest.mark.parametrize(
+    ("tokens", "max_ngram", "min_ngram", "expected"),
+    [
+        ([5, 6, 7, 8, 5, 6], 3, 1, [7, 8, 5, 6]),  # the 2-gram 5 6 occurred at the start
+        ([1, 2, 9, 1, 2, 8, 1, 2], 2, 1, [8, 1, 2]),  # its latest earlier occurrence
+        ([3, 4, 5, 1, 4, 5, 2, 3, 4, 5], 3, 1, [1, 4, 5, 2, 3, 4, 5]),  # the longest n-gram
+        ([3, 4, 5, 1, 4, 5, 2, 3, 4, 5], 2, 1, [2, 3, 4, 5]),  # no longer than max_ngram
+        ([7, 1, 2, 7], 2, 1, [1, 2, 7]),  # a single token
+        ([7, 1, 2, 7], 2, 2, []),  # single tokens ignored
+        ([1, 2, 3], 3, 1, []),  # nothing repeats
+        ([4], 2, 1, []),
+    ],
+)
+def test_find_continuation(tokens, max_ngram, min_ngram, expected):
+    assert find_continuation(tokens, max_ngram, min_ngram) == expected
+
+
+@pytest.mark.parametrize("prompt_lookup", [1, 2, 4])
+@pytest.mark.parametrize("num_draft", [1, 3, 8, "auto"])
+def test_prompt_lookup_keeps_the_greedy_output(prompt_lookup, num_draft, copying_pair):
+    model, _, tokenizer = copying_pair
+    decoder = SpeculativeDecoder(
+        model, None, tokenizer, num_draft=num_draft, prompt_lookup=prompt_lookup
+    )
+    totals = decode_all(decoder)
+    # Lookup drafted most rounds; the tokens it proposed that were tested
+    # were often right and sometimes wrong.
+    assert totals["lookup_rounds"] == totals["rounds"] > MAX_TOKENS
+    assert 0.5 < totals["accepted"] / (totals["accepted"] + totals["rejected"]) < 0.97
+
+
+@pytest.mark.parametrize("num_draft", [3, "auto"])
+def test_hybrid_keeps_the_greedy_output(num_draft, copying_pair):
+    decoder = SpeculativeDecoder(*copying_pair, num_draft=num_draft, prompt_lookup=3)
+    totals = decode_all(decoder)
+    # Both drafters drafted: lookup where a 2- or 3-gram matched, the model elsewhere.
+    assert 0 < totals["lookup_rounds"] < totals["rounds"]
+    assert totals["accepted"] > 0 and totals["rejected"] > 0
+
+
+def test_auto_with_a_draft_model_keeps_the_greedy_output(decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft="auto")
+    totals = decode_all(decoder)
+    assert 0.3 < totals["accepted"] / totals["proposed"] < 0.97
+    assert totals["lookup_rounds"] == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt_lookup", "num_draft", "temp", "with_draft_model"),
+    [(0, 3, 0.0, True), (0, "auto", 1.0, True), (2, 4, 0.0, False), (3, "auto", 1.0, True)],
+)
+def test_from_draft_marks_the_accepted_draft_tokens(
+    prompt_lookup, num_draft, temp, with_draft_model, copying_pair
+):
+    model, draft_model, tokenizer = copying_pair
+    decoder = SpeculativeDecoder(
+        model,
+        draft_model if with_draft_model else None,
+        tokenizer,
+        num_draft=num_draft,
+        prompt_lookup=prompt_lookup,
+    )
+    for prompt in PROMPTS:
+        result = decoder.speculative_decode(prompt, max_tokens=MAX_TOKENS, temp=temp, seed=1)
+        assert len(result.tokens) == len(result.from_draft) == MAX_TOKENS
+        assert sum(result.from_draft) == result.n_accepted > 0
+        # Each main-model pass adds exactly one token of its own, after the accepted ones.
+        assert result.from_draft.count(False) == result.n_steps
+        assert sum(result.draft_lengths) == result.n_draft
+
+
+def test_bad_drafting_arguments_are_refused(decoding_pair):
+    with pytest.raises(ValueError, match="num_draft"):
+        SpeculativeDecoder(*decoding_pair, num_draft="fast")
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        SpeculativeDecoder(*decoding_pair, prompt_lookup=-1)
