@@ -10,6 +10,7 @@ catch them.
 """
 
 from collections import Counter
+from itertools import pairwise
 
 import mlx.core as mx
 import pytest
@@ -25,6 +26,11 @@ NUM_DRAFT = 2
 # 3 tokens are generated so that the first round drafts 2 of them: the
 # second draft token is judged given the first.
 MAX_TOKENS = NUM_DRAFT + 1
+FULL_AND_TRUNCATED = pytest.mark.parametrize(
+    "sampling",
+    [Sampling(temp=TEMP), Sampling(temp=TEMP, top_p=0.9, top_k=8)],
+    ids=["full", "top-p-top-k"],
+)
 
 
 def exact_distribution(model, prompt_ids, sampling: Sampling) -> dict[tuple, float]:
@@ -49,11 +55,11 @@ def exact_distribution(model, prompt_ids, sampling: Sampling) -> dict[tuple, flo
     return distribution
 
 
-def sample_outputs(decoder: SpeculativeDecoder, sampling: Sampling) -> Counter:
+def sample_outputs(decoder: SpeculativeDecoder, sampling: Sampling, prompt=PROMPT) -> Counter:
     counts = Counter()
     for seed in range(RUNS):
         result = decoder.speculative_decode(
-            PROMPT,
+            prompt,
             max_tokens=MAX_TOKENS,
             temp=sampling.temp,
             top_p=sampling.top_p,
@@ -95,11 +101,7 @@ def distributions_differ(setting, sampling):
     return 0.5 * mx.abs(p - q).sum().item()
 
 
-@pytest.mark.parametrize(
-    "sampling",
-    [Sampling(temp=TEMP), Sampling(temp=TEMP, top_p=0.9, top_k=8)],
-    ids=["full", "top-p-top-k"],
-)
+@FULL_AND_TRUNCATED
 def test_speculative_samples_follow_the_main_model(setting, sampling):
     decoder, prompt_ids = setting
     assert distributions_differ(setting, sampling) > 0.1
@@ -155,4 +157,89 @@ def test_the_check_catches_the_draft_distribution(setting):
     )
     counts = sample_outputs(loose, sampling)
     distribution = exact_distribution(decoder.model, prompt_ids, sampling)
+    assert chi_square_p_value(counts, distribution) < 1e-4
+
+
+def test_auto_num_draft_samples_follow_the_main_model(setting):
+    decoder, prompt_ids = setting
+    sampling = Sampling(temp=TEMP)
+    auto = SpeculativeDecoder(decoder.model, decoder.draft_model, decoder.tokenizer, "auto")
+    counts = sample_outputs(auto, sampling)
+    distribution = exact_distribution(decoder.model, prompt_ids, sampling)
+    assert chi_square_p_value(counts, distribution) > 1e-3
+
+
+def lookup_right_mass(distribution, prompt: list[int]) -> float:
+    """The probability that the second token is the one after the first in ``prompt``."""
+    following = dict(pairwise(prompt))
+    return sum(p for o, p in distribution.items() if len(o) == 2 and following[o[0]] == o[1])
+
+
+@pytest.fixture(scope="module")
+def lookup_setting(decoding_pair):
+    """A decoder with prompt lookup of single tokens and no draft model, and
+    a prompt (token ids) holding every token but the end of sequence once,
+    so that lookup always drafts the second token: the token after the
+    first one in the prompt. The prompt's order is changed, a few times at
+    most, until the main model picks that token with probability 0.05 to 0.6,
+    so that both acceptance and rejection happen."""
+    model, _, tokenizer = decoding_pair
+    sampling = Sampling(temp=TEMP)
+    eos = model.args.eos_token_id
+    order = [t for t in range(model.args.vocab_size) if t != eos]
+    for _ in range(8):
+        prompt = order + [eos]
+        distribution = exact_distribution(model, mx.array([prompt]), sampling)
+        if 0.05 < lookup_right_mass(distribution, prompt) < 0.6:
+            break
+        # Put after each of the three likeliest first tokens its likeliest successor.
+        pairs = [o for o in distribution if len(o) == 2 and o[0] != o[1]]
+        successor, first_mass = {}, Counter()
+        for first, second in sorted(pairs, key=distribution.get):
+            successor[first] = second
+            first_mass[first] += distribution[first, second]
+        for first, _ in first_mass.most_common(3):
+            order.remove(successor[first])
+            order.insert(order.index(first) + 1, successor[first])
+    else:
+        pytest.fail("no prompt order found where lookup is right sometimes")
+    decoder = SpeculativeDecoder(model, None, tokenizer, num_draft=NUM_DRAFT, prompt_lookup=1)
+    return decoder, prompt
+
+
+@FULL_AND_TRUNCATED
+def test_prompt_lookup_samples_follow_the_main_model(lookup_setting, sampling):
+    decoder, prompt = lookup_setting
+    counts = sample_outputs(decoder, sampling, prompt)
+    distribution = exact_distribution(decoder.model, mx.array([prompt]), sampling)
+    assert chi_square_p_value(counts, distribution) > 1e-3
+
+
+def miswritten_point_mass_rule(rule: str):
+    """``decoder.verify`` with a wrong rule for lookup drafts (one-hot q)."""
+    correct = decoder_module.verify
+
+    def verify(draft_tokens, draft_probs, main_logits, sampling, delta):
+        if draft_tokens.shape[0] == 0:
+            return correct(draft_tokens, draft_probs, main_logits, sampling, delta)
+        if rule == "always accept":
+            return correct(draft_tokens, draft_probs, main_logits, sampling, 1.0)
+        # "uniform q": the model-draft rule, as if the lookup token had been
+        # drawn from the uniform distribution.
+        uniform = mx.full(draft_probs.shape, 1 / draft_probs.shape[-1])
+        return correct(draft_tokens, uniform, main_logits, sampling, delta)
+
+    return verify
+
+
+@pytest.mark.parametrize("rule", ["always accept", "uniform q", "resample from p"])
+def test_the_check_catches_a_wrong_point_mass_rule(lookup_setting, rule, monkeypatch):
+    decoder, prompt = lookup_setting
+    sampling = Sampling(temp=TEMP)
+    wrong = (
+        miswritten_verify(rule) if rule == "resample from p" else miswritten_point_mass_rule(rule)
+    )
+    monkeypatch.setattr(decoder_module, "verify", wrong)
+    counts = sample_outputs(decoder, sampling, prompt)
+    distribution = exact_distribution(decoder.model, mx.array([prompt]), sampling)
     assert chi_square_p_value(counts, distribution) < 1e-4
