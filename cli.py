@@ -34,6 +34,17 @@ def checked(kind: type, condition, requirement: str):
 
 
 POSITIVE = checked(int, lambda n: n >= 1, ">= 1")
+NON_NEGATIVE = checked(int, lambda n: n >= 0, ">= 0")
+
+
+def num_draft(text: str) -> int | str:
+    """An argparse type: draft tokens per round, >= 1, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return POSITIVE(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1 or auto") from None
 
 
 def resolve_model(name: str) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import random
 import re
 import shutil
@@ -30,6 +31,8 @@ STATS = re.compile(
     r"Main-model passes: (\d+)\n"
 )
 ACCEPTANCE = re.compile(r"Draft tokens accepted: (\d+)/(\d+) \(([\d.]+)%\)")
+DRAFTING = re.compile(r"Drafting: (.+?), g (= \d+|auto: average [\d.]+, range \d+-\d+)")
+COLOUR_CODE = re.compile(r"\x1b\[\d+m")
 PEAK_MEMORY = re.compile(r"Peak memory: ([\d.]+) [MG]B")
 GENERATE = ["--prompt", PROMPT, "-m", str(MAX_TOKENS)]
 SAMPLE = ["--temp", "1", "--top-p", "0.9", "--top-k", "20", "--seed", "3"]
@@ -196,6 +199,69 @@ def test_sampling_is_reproducible_with_a_seed(regular, models, tmp_path):
     assert stats(first.stdout)[0] == stats(second.stdout)[0]
 
 
+def run_main_on_a_terminal(*args: str, cwd: Path) -> str:
+    """``python main.py ARGS`` with its standard output on a pseudo-terminal;
+    what it wrote there, with the terminal's line ends undone."""
+    terminal, child_end = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, str(MAIN_PY), *args],
+        cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=child_end,
+        stderr=subprocess.PIPE,
+    )
+    os.close(child_end)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(terminal, 4096)
+        except OSError:  # Linux: the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(terminal)
+    assert process.wait(timeout=300) == 0, process.stderr.read()
+    return output.decode().replace("\r\n", "\n")
+
+
+def test_show_draft_colours_accepted_draft_tokens_on_a_terminal_only(
+    models, greedy_reference, tmp_path
+):
+    args = [*model_args(models), *GENERATE, "--show-draft", "--num-draft", "3"]
+    piped = run_main(*args, cwd=tmp_path)
+    assert piped.returncode == 0, piped.stderr
+    assert "\x1b" not in piped.stdout
+    assert generated_text(piped.stdout) == greedy_reference.text
+    on_terminal = run_main_on_a_terminal(*args, cwd=tmp_path)
+    coloured = generated_text(on_terminal)
+    assert COLOUR_CODE.search(coloured), on_terminal
+    assert COLOUR_CODE.sub("", coloured) == greedy_reference.text
+    accepted = int(ACCEPTANCE.search(on_terminal)[1])
+    assert accepted > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "mode", "draft_length"),
+    [
+        (["--num-draft", "auto"], "draft model", "auto"),
+        (["--draft-model-name", "none", "--prompt-lookup", "2"], "prompt lookup", "= 5"),
+        (["--prompt-lookup", "3", "--num-draft", "auto"], "hybrid", "auto"),
+    ],
+    ids=["auto", "lookup", "hybrid"],
+)
+def test_drafting_modes_print_the_greedy_text_and_their_mode(
+    args, mode, draft_length, models, greedy_reference, tmp_path
+):
+    result = run_main(*model_args(models), *GENERATE, *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert generated_text(result.stdout) == greedy_reference.text
+    assert ("Loading draft" in result.stdout) == (mode != "prompt lookup")
+    drafting = DRAFTING.search(result.stdout)
+    assert drafting, result.stdout
+    assert drafting[1] == mode and drafting[2].startswith(draft_length)
+
+
 def test_model_names_resolve_under_mlx_models(models, greedy_reference, tmp_path):
     """``NAME`` -> mlx_models/NAME and ``org/NAME`` -> mlx_models/org-NAME, from the cwd."""
     main_dir, draft_dir = models
@@ -231,6 +297,10 @@ def test_resolve_model_finds_convert_default_output(tmp_path, monkeypatch):
         (["--delta", "1.5"], "--delta"),
         (["--delta", "half"], "--delta"),
         (["--num-draft", "0"], "--num-draft"),
+        (["--num-draft", "foo"], "--num-draft"),
+        (["--prompt-lookup", "-1"], "--prompt-lookup"),
+        (["--prompt-lookup", "two"], "--prompt-lookup"),
+        (["--draft-model-name", "none"], "--prompt-lookup"),
         (["--max-tokens", "0"], "--max-tokens"),
         (["-m", "0"], "--max-tokens"),
         (["--temp", "-1"], "--temp"),
