@@ -435,7 +435,7 @@ class SpeculativeDecoder:
         self.num_draft = num_draft
         self.delta = delta
         self.prompt_lookup = prompt_lookup
-        self._costs = {}  # measured once: see _measure_costs
+        self._costs = {}  # measured once: see measure_costs
 
     @property
     def drafting(self) -> str:
@@ -466,10 +466,12 @@ class SpeculativeDecoder:
         )
         return HybridDrafter(lookup, model_drafter)
 
-    def _measure_costs(self, prompt_ids: mx.array) -> tuple[dict[str, float], list[float]]:
-        """For "auto", once per decoder (the first generation pays for it):
-        a draft step's time over a main step's, for each draft source, and a
-        main pass over 1 .. MAX_AUTO_DRAFT + 1 tokens relative to one token."""
+    def measure_costs(self, prompt_ids: mx.array) -> tuple[dict[str, float], list[float]]:
+        """What "auto" weighs, timed on ``prompt_ids`` once per decoder (and
+        draft model): a draft step's time over a main step's, for each draft
+        source, and the time of a main pass over 1 .. MAX_AUTO_DRAFT + 1
+        tokens over that of a pass over one. The first generation with
+        num_draft="auto" pays for it, in its prompt time."""
         if "verify" not in self._costs:
             main = pass_times(self.model, self.model.encode(prompt_ids), MAX_AUTO_DRAFT + 1)
             self._costs["verify"] = [t / main[0] for t in main]
@@ -512,7 +514,7 @@ class SpeculativeDecoder:
         mx.eval(main_cache.cross_keys_values)
         drafter = self._drafter(prompt_ids) if speculative else None
         if drafter is not None:
-            costs = self._measure_costs(prompt_ids) if self.num_draft == "auto" else ({}, [])
+            costs = self.measure_costs(prompt_ids) if self.num_draft == "auto" else ({}, [])
             draft_length = DraftLength(self.num_draft, *costs)
         sequence = [self.model.args.decoder_start_token_id]
         result = GenerationResult(

@@ -1,21 +1,27 @@
 """Measure speculative decoding against regular decoding, and against the paper's prediction.
 
     python benchmarks/benchmark.py --model-name MAIN --draft-model-name DRAFT \\
-        [--num-draft 1,2,3,5,8] [--delta 0,0.1,0.5] [--temp 0,1] [--max-tokens 64] \\
+        [--num-draft 1,2,3,5,8,auto] [--prompt-lookup N [--lookup-num-draft auto]] \\
+        [--delta 0,0.1,0.5] [--temp 0,1] [--max-tokens 64] [--repeats R] \\
         [--prompts FILE] [--output benchmark_results] [--compare-hf --hf-model DIR --hf-draft DIR [--hf-threads N]]
 
-For every setting (temperature x delta x num_draft) each prompt is decoded
-regularly and speculatively, alternately, so that drift in machine speed
-affects both alike. Reported per setting:
+The modes: the draft model with each ``--num-draft`` value (``auto``
+included) and, with ``--prompt-lookup N``, prompt lookup alone (no draft
+model) and hybrid (lookup, then the draft model) with each
+``--lookup-num-draft`` value. For every temperature, each prompt is decoded
+regularly and then in every mode and delta, in turn, prompt after prompt
+(``--repeats`` times), so that drift in machine speed affects all alike.
+Reported per mode and delta:
 
 - tokens/s of regular and speculative decoding, and the speedup;
 - alpha, the acceptance rate of the draft tokens the main model actually
   tested: accepted / (accepted + rejected). A round stops at its first
   rejection; the draft tokens after it were never tested and do not count;
-- tokens per main-model pass;
+- tokens per main-model pass, draft tokens per drafted round (mean g) and
+  the share of rounds drafted by prompt lookup;
 - c, the measured time of one draft step over one main step;
-- the speedup the paper predicts from alpha and c for g draft tokens,
-  (1 - alpha^(g+1)) / ((1 - alpha)(g c + 1)), and measured / predicted.
+- for the draft model with a fixed g, the speedup the paper predicts from
+  alpha and c, (1 - alpha^(g+1)) / ((1 - alpha)(g c + 1)), and measured / predicted.
 
 At temperature 0 it also checks that the speculative tokens equal the regular
 ones. Results go to a table, OUTPUT.csv, OUTPUT.json and, when matplotlib is
@@ -38,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import blas  # an optimized BLAS on Linux: must come before mlx is imported
-from cli import ArgumentParser
+from cli import ArgumentParser, num_draft
 
 PROMPTS = [
     "translate English to German: The museum opens at nine and closes early on Sundays.",
@@ -63,21 +69,33 @@ PROMPTS = [
 ]
 
 
+@dataclass(frozen=True)
+class Mode:
+    """One way to draft: ``drafting`` is "draft model", "prompt lookup" or "hybrid"."""
+
+    drafting: str
+    num_draft: int | str
+    delta: float
+
+
 @dataclass
 class Row:
-    """The measurements of one setting, summed over all prompts."""
+    """The measurements of one mode at one temperature, summed over all prompts."""
 
     temp: float
     delta: float
-    num_draft: int
+    drafting: str
+    num_draft: int | str
     regular_tokens_per_s: float
     speculative_tokens_per_s: float
     speedup: float
     alpha: float
     tokens_per_pass: float
+    mean_draft: float  # draft tokens per drafted round
+    lookup_rounds: float  # share of rounds drafted by prompt lookup
     cost_ratio: float
-    predicted_speedup: float
-    efficiency: float
+    predicted_speedup: float | None  # the draft model with a fixed g only
+    efficiency: float | None
     identical: bool | None  # temperature 0 only
 
 
@@ -103,12 +121,14 @@ def step_time(model, prompt_ids, steps: int = 24) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def parse_list(kind: type):
+def parse_list(kind, name: str | None = None):
     def parse(text: str) -> list:
         try:
-            return [kind(item) for item in text.split(",") if item.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a list of {kind.__name__}") from None
+            return [kind(item.strip()) for item in text.split(",") if item.strip()]
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a list of {name or kind.__name__}"
+            ) from None
 
     return parse
 
@@ -118,7 +138,16 @@ def build_parser() -> ArgumentParser:
     add = parser.add_argument
     add("--model-name", required=True, help="main model: converted name or directory")
     add("--draft-model-name", required=True, help="draft model: converted name or directory")
-    add("--num-draft", type=parse_list(int), default=[1, 2, 3, 5, 8], help="e.g. 1,2,3,5,8")
+    draft_lengths = parse_list(num_draft, "integers >= 1 or auto")
+    add("--num-draft", type=draft_lengths, default=[1, 2, 3, 5, 8], help="e.g. 1,2,3,5,8,auto")
+    add("--prompt-lookup", type=int, default=0, help="also prompt lookup and hybrid (0: not)")
+    add(
+        "--lookup-num-draft",
+        type=draft_lengths,
+        default=["auto"],
+        help="num_draft of prompt lookup and hybrid, e.g. 3,auto",
+    )
+    add("--repeats", type=int, default=1, help="decode every prompt this many times per mode")
     add("--delta", type=parse_list(float), default=[0.0], help="e.g. 0,0.1,0.5")
     add("--temp", type=parse_list(float), default=[0.0, 1.0], help="e.g. 0,1")
     add("--max-tokens", type=int, default=64, help="tokens per prompt")
@@ -137,8 +166,12 @@ def build_parser() -> ArgumentParser:
 
 
 def validate(args: argparse.Namespace) -> None:
-    if not args.num_draft or min(args.num_draft) < 1:
-        raise ValueError("--num-draft values must be >= 1")
+    if not args.num_draft or not args.lookup_num_draft:
+        raise ValueError("--num-draft and --lookup-num-draft need at least one value")
+    if args.prompt_lookup < 0:
+        raise ValueError("--prompt-lookup must be >= 0")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
     if not args.delta or not all(0 <= d <= 1 for d in args.delta):
         raise ValueError("--delta values must be in [0, 1]")
     if not args.temp or min(args.temp) < 0:
@@ -152,6 +185,8 @@ def validate(args: argparse.Namespace) -> None:
     if output_dir.exists() and not os.access(output_dir, os.W_OK):
         raise ValueError(f"cannot write results to {output_dir}")
     if args.compare_hf:
+        if all(g == "auto" for g in args.num_draft):
+            raise ValueError("--compare-hf needs a --num-draft value other than auto")
         for flag, path in (("--hf-model", args.hf_model), ("--hf-draft", args.hf_draft)):
             if path is None or not (path / "config.json").is_file():
                 raise ValueError(f"--compare-hf needs {flag}, a Hugging Face checkpoint directory")
@@ -166,42 +201,87 @@ def read_prompts(path: Path | None) -> list[str]:
     return prompts
 
 
-def run_setting(decoder, prompts, temp, delta, num_draft, max_tokens, seed, cost_ratio, progress):
-    """Decode every prompt regularly and speculatively, alternately; one Row."""
-    decoder.num_draft, decoder.delta = num_draft, delta
-    regular_time = speculative_time = 0.0
-    regular_tokens = speculative_tokens = accepted = rejected = passes = 0
-    identical = True
-    for number, prompt in enumerate(prompts):
-        options = {"max_tokens": max_tokens, "temp": temp, "seed": seed + number}
-        regular = decoder.generate(prompt, **options)
-        speculative = decoder.speculative_decode(prompt, **options)
-        regular_time += regular.elapsed
-        speculative_time += speculative.elapsed
-        regular_tokens += len(regular.tokens)
-        speculative_tokens += len(speculative.tokens)
-        accepted += speculative.n_accepted
-        rejected += speculative.n_rejected
-        passes += speculative.n_steps
-        identical &= regular.tokens == speculative.tokens
-        progress.update(1)
+def modes(args: argparse.Namespace) -> list[Mode]:
+    drafting = [("draft model", g) for g in args.num_draft]
+    if args.prompt_lookup:
+        for kind in ("prompt lookup", "hybrid"):
+            drafting += [(kind, g) for g in args.lookup_num_draft]
+    return [Mode(kind, g, delta) for delta in args.delta for kind, g in drafting]
+
+
+def configure(decoder, draft_model, prompt_lookup: int, mode: Mode) -> None:
+    """Set ``decoder`` to draft as ``mode`` says."""
+    decoder.draft_model = None if mode.drafting == "prompt lookup" else draft_model
+    decoder.prompt_lookup = 0 if mode.drafting == "draft model" else prompt_lookup
+    decoder.num_draft, decoder.delta = mode.num_draft, mode.delta
+
+
+def run_temperature(decoder, draft_model, prompts, temp, all_modes, args, cost_ratio, progress):
+    """Decode every prompt regularly and then in each mode, prompt after
+    prompt; one Row per mode."""
+    regular_time, regular_tokens = 0.0, 0
+    totals = {mode: dict.fromkeys(TOTALS, 0) for mode in all_modes}
+    identical = dict.fromkeys(all_modes, True)
+    for repeat in range(args.repeats):
+        for number, prompt in enumerate(prompts):
+            options = {"max_tokens": args.max_tokens, "temp": temp, "seed": args.seed + number}
+            regular = decoder.generate(prompt, **options)
+            regular_time += regular.elapsed
+            regular_tokens += len(regular.tokens)
+            for mode in all_modes:
+                configure(decoder, draft_model, args.prompt_lookup, mode)
+                result = decoder.speculative_decode(prompt, **options)
+                for name, value in count(result).items():
+                    totals[mode][name] += value
+                identical[mode] &= result.tokens == regular.tokens
+            progress.update(1)
     regular_speed = regular_tokens / regular_time
-    speculative_speed = speculative_tokens / speculative_time
-    alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
-    predicted = predicted_speedup(alpha, num_draft, cost_ratio)
-    speedup = speculative_speed / regular_speed
+    return [
+        make_row(temp, mode, totals[mode], regular_speed, cost_ratio, identical[mode])
+        for mode in all_modes
+    ]
+
+
+TOTALS = ("time", "tokens", "accepted", "rejected", "passes", "proposed", "rounds", "lookup")
+
+
+def count(result) -> dict[str, float]:
+    """What one speculative run adds to its mode's TOTALS."""
+    return {
+        "time": result.elapsed,
+        "tokens": len(result.tokens),
+        "accepted": result.n_accepted,
+        "rejected": result.n_rejected,
+        "passes": result.n_steps,
+        "proposed": result.n_draft,
+        "rounds": len(result.draft_lengths),
+        "lookup": result.n_lookup_rounds,
+    }
+
+
+def make_row(temp, mode: Mode, totals: dict, regular_speed, cost_ratio, identical) -> Row:
+    speed = totals["tokens"] / totals["time"]
+    tested = totals["accepted"] + totals["rejected"]
+    alpha = totals["accepted"] / tested if tested else 0.0
+    predicted = None
+    if mode.drafting == "draft model" and mode.num_draft != "auto":
+        predicted = predicted_speedup(alpha, mode.num_draft, cost_ratio)
+    speedup = speed / regular_speed
     return Row(
         temp=temp,
-        delta=delta,
-        num_draft=num_draft,
+        delta=mode.delta,
+        drafting=mode.drafting,
+        num_draft=mode.num_draft,
         regular_tokens_per_s=regular_speed,
-        speculative_tokens_per_s=speculative_speed,
+        speculative_tokens_per_s=speed,
         speedup=speedup,
         alpha=alpha,
-        tokens_per_pass=speculative_tokens / passes,
+        tokens_per_pass=totals["tokens"] / totals["passes"],
+        mean_draft=totals["proposed"] / totals["rounds"] if totals["rounds"] else 0.0,
+        lookup_rounds=totals["lookup"] / totals["passes"],
         cost_ratio=cost_ratio,
         predicted_speedup=predicted,
-        efficiency=speedup / predicted,
+        efficiency=speedup / predicted if predicted else None,
         identical=identical if temp == 0 else None,
     )
 
@@ -209,12 +289,15 @@ def run_setting(decoder, prompts, temp, delta, num_draft, max_tokens, seed, cost
 COLUMNS = [
     ("temp", "temp", "{:g}"),
     ("delta", "delta", "{:g}"),
+    ("drafting", "drafting", "{}"),
     ("num_draft", "g", "{}"),
     ("regular_tokens_per_s", "regular tok/s", "{:.1f}"),
     ("speculative_tokens_per_s", "spec tok/s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("alpha", "alpha", "{:.3f}"),
     ("tokens_per_pass", "tok/pass", "{:.2f}"),
+    ("mean_draft", "mean g", "{:.2f}"),
+    ("lookup_rounds", "lookup", "{:.0%}"),
     ("cost_ratio", "c", "{:.3f}"),
     ("predicted_speedup", "predicted", "{:.2f}x"),
     ("efficiency", "efficiency", "{:.2f}"),
@@ -269,12 +352,23 @@ def write_outputs(rows: list[Row], extra: dict, output: Path) -> list[Path]:
     for axis, temp in zip(axes[0], temps):
         for delta in sorted({row.delta for row in rows}):
             selected = [r for r in rows if r.temp == temp and r.delta == delta]
-            axis.plot(
-                [r.num_draft for r in selected],
-                [r.speedup for r in selected],
+            fixed = [r for r in selected if r.drafting == "draft model" and r.num_draft != "auto"]
+            (line,) = axis.plot(
+                [r.num_draft for r in fixed],
+                [r.speedup for r in fixed],
                 marker="o",
-                label=f"delta {delta:g}",
+                label=f"draft model, delta {delta:g}",
             )
+            # Modes without one fixed g: a level line each, in the same colour.
+            styles = iter(["--", ":", "-."] * len(selected))
+            for row in (r for r in selected if r not in fixed):
+                axis.axhline(
+                    row.speedup,
+                    color=line.get_color(),
+                    linestyle=next(styles),
+                    linewidth=1,
+                    label=f"{row.drafting} g={row.num_draft}, delta {delta:g}",
+                )
         axis.axhline(1.0, color="gray", linewidth=0.8)
         axis.set(title=f"temperature {temp:g}", xlabel="num_draft", ylabel="speedup")
         axis.legend()
@@ -364,37 +458,39 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     decoder = SpeculativeDecoder(model, draft_model, tokenizer)
+    all_modes = modes(args)
+    # Warm-up; auto measures its costs here, on its first use.
+    for mode in all_modes:
+        configure(decoder, draft_model, args.prompt_lookup, mode)
+        decoder.speculative_decode(prompts[0], max_tokens=8)
     prompt_ids = mx.array([tokenizer(prompts[0]).input_ids])
-    decoder.speculative_decode(prompts[0], max_tokens=8)  # warm-up
     cost_ratio = step_time(draft_model, prompt_ids) / step_time(model, prompt_ids)
-    settings = [(t, d, g) for t in args.temp for d in args.delta for g in args.num_draft]
     rows = []
-    with tqdm(total=len(settings) * len(prompts), desc="decoding", file=sys.stderr) as progress:
-        for temp, delta, num_draft in settings:
-            rows.append(
-                run_setting(
-                    decoder,
-                    prompts,
-                    temp,
-                    delta,
-                    num_draft,
-                    args.max_tokens,
-                    args.seed,
-                    cost_ratio,
-                    progress,
-                )
+    total = len(args.temp) * args.repeats * len(prompts)
+    with tqdm(total=total, desc="decoding", file=sys.stderr) as progress:
+        for temp in args.temp:
+            rows += run_temperature(
+                decoder, draft_model, prompts, temp, all_modes, args, cost_ratio, progress
             )
     print(format_table(rows))
+    configure(decoder, draft_model, args.prompt_lookup, Mode("hybrid", "auto", 0.0))
+    draft_costs, verify_costs = decoder.measure_costs(prompt_ids)
     extra = {
         "model": str(model_path),
         "draft_model": str(draft_path),
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "prompt_lookup": args.prompt_lookup,
+        # What auto measured: draft step / main step, and a main pass over k tokens / over 1.
+        "auto_draft_costs": draft_costs,
+        "auto_verify_costs": verify_costs,
         "blas": blas.loaded_library(),
     }
     if args.compare_hf:
         # Assisted generation drafts as many tokens as our fastest greedy setting.
-        greedy_rows = [row for row in rows if row.temp == 0] or rows
+        fixed_g = [r for r in rows if r.drafting == "draft model" and r.num_draft != "auto"]
+        greedy_rows = [row for row in fixed_g if row.temp == 0] or fixed_g
         best = max(greedy_rows, key=lambda row: row.speedup).num_draft
         extra["transformers"] = compare_with_transformers(args, prompts, decoder, best)
         print(json.dumps(extra["transformers"], indent=2))

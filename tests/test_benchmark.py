@@ -70,6 +70,39 @@ def test_benchmark_runs_and_writes_its_results(converted_pair, tmp_path):
     assert "speedup" in run.stdout and "predicted" in run.stdout
 
 
+def test_benchmark_compares_every_drafting_mode(converted_pair, tmp_path):
+    main_dir, draft_dir = converted_pair
+    output = tmp_path / "results"
+    run = run_benchmark(
+        main_dir, draft_dir,
+        "--num-draft", "2,auto",
+        "--prompt-lookup", "2",
+        "--lookup-num-draft", "3,auto",
+        "--temp", "0",
+        "--max-tokens", "12",
+        "--repeats", "2",
+        "--output", str(output),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = list(csv.DictReader(output.with_suffix(".csv").open()))
+    assert [(r["drafting"], r["num_draft"]) for r in rows] == [
+        ("draft model", "2"),
+        ("draft model", "auto"),
+        ("prompt lookup", "3"),
+        ("prompt lookup", "auto"),
+        ("hybrid", "3"),
+        ("hybrid", "auto"),
+    ]
+    assert all(r["identical"] == "True" for r in rows)
+    # Only lookup drafts without the draft model; only the draft model drafts alone.
+    assert all(float(r["lookup_rounds"]) == 0 for r in rows if r["drafting"] == "draft model")
+    assert all(float(r["lookup_rounds"]) > 0 for r in rows if r["drafting"] == "prompt lookup")
+    # The paper's prediction needs one fixed g and a draft model.
+    assert [r["predicted_speedup"] != "" for r in rows] == [True] + [False] * 5
+    report = json.loads(output.with_suffix(".json").read_text())
+    assert report["repeats"] == 2 and len(report["auto_verify_costs"]) == 17
+
+
 def test_benchmark_compares_with_transformers(hf_pair, converted_pair, tmp_path):
     (hf_main, hf_draft), (main_dir, draft_dir) = hf_pair, converted_pair
     output = tmp_path / "results"
@@ -99,7 +132,10 @@ def test_benchmark_compares_with_transformers(hf_pair, converted_pair, tmp_path)
     [
         (["--delta", "0,2"], "--delta values must be in [0, 1]"),
         (["--hf-threads", "0"], "--hf-threads must be >= 1"),
-        (["--num-draft", "x"], "argument --num-draft: 'x' is not a list of int"),
+        (["--num-draft", "x"], "argument --num-draft: 'x' is not a list of integers >= 1 or auto"),
+        (["--num-draft", "0"], "argument --num-draft: '0' is not a list of integers >= 1 or auto"),
+        (["--prompt-lookup", "-1"], "--prompt-lookup must be >= 0"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
     ],
 )
 def test_benchmark_refuses_bad_settings(setting, message, converted_pair):
