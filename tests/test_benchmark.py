@@ -42,19 +42,20 @@ def test_predicted_speedup_follows_the_paper():
     )
 
 
-def test_benchmark_runs_and_writes_its_results(converted_pair, tmp_path):
-    main_dir, draft_dir = converted_pair
-    output = tmp_path / "results"
+def run_greedy(converted_pair, output, *options: str) -> tuple[str, list[dict], dict]:
+    """A successful greedy 12-token ``benchmark.py`` run: (stdout, CSV rows, JSON report)."""
     run = run_benchmark(
-        main_dir, draft_dir,
-        "--num-draft", "1,3",
-        "--delta", "0,1",
-        "--temp", "0",
-        "--max-tokens", "12",
-        "--output", str(output),
-    )  # fmt: skip
+        *converted_pair, *options, "--temp", "0", "--max-tokens", "12", "--output", str(output)
+    )
     assert run.returncode == 0, run.stderr
     rows = list(csv.DictReader(output.with_suffix(".csv").open()))
+    return run.stdout, rows, json.loads(output.with_suffix(".json").read_text())
+
+
+def test_benchmark_runs_and_writes_its_results(converted_pair, tmp_path):
+    stdout, rows, report = run_greedy(
+        converted_pair, tmp_path / "results", "--num-draft", "1,3", "--delta", "0,1"
+    )
     assert [(r["delta"], r["num_draft"]) for r in rows] == [
         ("0.0", "1"),
         ("0.0", "3"),
@@ -64,27 +65,19 @@ def test_benchmark_runs_and_writes_its_results(converted_pair, tmp_path):
     # Exact greedy decoding reproduces the regular tokens; delta = 1 accepts everything.
     assert all(r["identical"] == "True" for r in rows if r["delta"] == "0.0")
     assert all(float(r["alpha"]) == 1.0 for r in rows if r["delta"] == "1.0")
-    report = json.loads(output.with_suffix(".json").read_text())
     assert len(report["rows"]) == 4 and report["max_tokens"] == 12
     assert not list(tmp_path.glob(".*.partial"))  # each file written whole, then renamed
-    assert "speedup" in run.stdout and "predicted" in run.stdout
+    assert "speedup" in stdout and "predicted" in stdout
 
 
 def test_benchmark_compares_every_drafting_mode(converted_pair, tmp_path):
-    main_dir, draft_dir = converted_pair
-    output = tmp_path / "results"
-    run = run_benchmark(
-        main_dir, draft_dir,
+    _, rows, report = run_greedy(
+        converted_pair, tmp_path / "results",
         "--num-draft", "2,auto",
         "--prompt-lookup", "2",
         "--lookup-num-draft", "3,auto",
-        "--temp", "0",
-        "--max-tokens", "12",
         "--repeats", "2",
-        "--output", str(output),
     )  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    rows = list(csv.DictReader(output.with_suffix(".csv").open()))
     assert [(r["drafting"], r["num_draft"]) for r in rows] == [
         ("draft model", "2"),
         ("draft model", "auto"),
@@ -99,7 +92,6 @@ def test_benchmark_compares_every_drafting_mode(converted_pair, tmp_path):
     assert all(float(r["lookup_rounds"]) > 0 for r in rows if r["drafting"] == "prompt lookup")
     # The paper's prediction needs one fixed g and a draft model.
     assert [r["predicted_speedup"] != "" for r in rows] == [True] + [False] * 5
-    report = json.loads(output.with_suffix(".json").read_text())
     assert report["repeats"] == 2 and len(report["auto_verify_costs"]) == 17
 
 
