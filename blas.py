@@ -146,11 +146,12 @@ def _from_threaded_package() -> str | None:
     is a link to the vendored runtime (loaded first, with its libquadmath).
     Once loaded, neither file is looked up again, and the directory goes.
     """
+    libraries = _package_libraries(THREADED_PACKAGE)
     runtimes = _package_libraries(PACKAGE, "libgfortran")
-    if not runtimes:
-        return None
+    if not runtimes:  # a system libgfortran.so.5 would do
+        return next((str(path) for path in libraries if _load_global(str(path))), None)
     _load_runtimes(runtimes[0].parent)
-    for library in _package_libraries(THREADED_PACKAGE):
+    for library in libraries:
         try:
             with tempfile.TemporaryDirectory(prefix="t5-spec-blas-") as directory:
                 link = Path(directory) / library.name
