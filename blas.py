@@ -13,17 +13,24 @@ calls. Importing this module does that (see :func:`load`)::
 
 Where the library comes from, first found wins:
 
-1. The OpenBLAS inside the ``scs`` wheel, a dependency in requirements.txt on
-   Linux x86_64 for that library alone (scs, a convex solver, is never
-   imported). It is found through the package's installed files
-   (``importlib.metadata``), wherever the environment is. It exports
-   unprefixed ``cblas_*`` names and carries its own Fortran runtime
-   (``scs.libs/libgfortran-*.so``, ``libquadmath-*.so``), loaded first, so it
-   needs nothing from the system. (The OpenBLAS wheels ``scipy-openblas32``
-   and numpy's copy prefix their names, ``scipy_cblas_sgemm``, which MLX never
-   calls; ``cmeel-openblas`` needs the system's ``libgfortran.so.5``; the
-   ``mkl`` wheels weigh about 1 GB and are slow at 8-16 rows on AMD CPUs.)
-2. A system OpenBLAS, ``libopenblas.so.0`` (Debian: ``apt install libopenblas0``).
+1. OpenBLAS 0.3.33, threaded, from the ``ngsolve-openblas`` wheel. It exports
+   unprefixed ``cblas_*`` names but needs ``libgfortran.so.5``, which a fresh
+   machine lacks. The ``scs`` wheel carries a Fortran runtime
+   (``scs.libs/libgfortran-*.so.5*``, renamed by auditwheel, so it does not
+   match that name). The OpenBLAS looks for its libraries in its own
+   directory (``RPATH $ORIGIN``), so it is loaded through symbolic links in a
+   private temporary directory, ``libgfortran.so.5`` beside it, which is
+   removed once loaded (nothing is written elsewhere; nothing is compiled).
+2. The OpenBLAS 0.3.15 inside the ``scs`` wheel (single-threaded), with its
+   own Fortran runtime. (``scs``, a convex solver, is never imported.)
+3. A system OpenBLAS, ``libopenblas.so.0`` (Debian: ``apt install libopenblas0``).
+
+Wheels are found through their installed files (``importlib.metadata``),
+wherever the environment is; both are in requirements.txt on Linux x86_64.
+(``scipy-openblas32`` and numpy's copy prefix their names,
+``scipy_cblas_sgemm``, which MLX never calls.) The threaded OpenBLAS reads
+``OPENBLAS_NUM_THREADS`` (else ``OMP_NUM_THREADS``, else it takes every core)
+when it is loaded, so set it before importing this module.
 
 If neither is found, one line on stderr says how to get one, and MLX runs on
 its reference BLAS. Nothing happens on macOS, where MLX uses Accelerate.
@@ -45,11 +52,16 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 DISABLE_ENV = "T5_SPEC_NO_BLAS"
+THREADED_PACKAGE = "ngsolve-openblas"
+# Carries the Fortran runtime the threaded OpenBLAS needs, and an OpenBLAS of its own.
 PACKAGE = "scs"
-INSTALL_HINT = 'pip install "scs==3.3.1"'
+INSTALL_HINT = 'pip install "ngsolve-openblas==0.3.33.post1" "scs==3.3.1"'
+# The name the threaded OpenBLAS asks the dynamic linker for (DT_NEEDED).
+FORTRAN_RUNTIME = "libgfortran.so.5"
 SYSTEM_NAMES = ("libopenblas.so.0", "libopenblas.so")
 # Runtime libraries auditwheel vendors beside the OpenBLAS, in dependency order.
 VENDORED_RUNTIMES = ("libquadmath", "libgfortran")
@@ -80,18 +92,18 @@ def _say(message: str) -> None:
     print(f"note: {message}", file=sys.stderr)
 
 
-def _package_libraries() -> list[Path]:
-    """OpenBLAS libraries shipped in the ``PACKAGE`` wheel, if it is installed."""
+def _package_libraries(package: str, prefix: str = "libopenblas") -> list[Path]:
+    """Shared libraries named ``prefix*.so*`` in the wheel of ``package``, if it is installed."""
     import importlib.metadata  # here: importing it takes tens of ms, needed on Linux only
 
     try:
-        files = importlib.metadata.files(PACKAGE) or []
+        files = importlib.metadata.files(package) or []
     except importlib.metadata.PackageNotFoundError:
         return []
     return sorted(
         Path(str(file.locate()))
         for file in files
-        if file.parent.name.endswith(".libs") and file.name.startswith("libopenblas")
+        if file.name.startswith(prefix) and ".so" in file.name
     )
 
 
@@ -116,14 +128,45 @@ def _load_global(name: str) -> bool:
     return True
 
 
+def _load_runtimes(directory: Path) -> None:
+    """Load the Fortran runtime auditwheel vendored in ``directory`` (locally)."""
+    for runtime in VENDORED_RUNTIMES:
+        for path in sorted(directory.glob(f"{runtime}*.so*")):
+            try:
+                ctypes.CDLL(str(path))
+            except OSError:
+                pass
+
+
+def _from_threaded_package() -> str | None:
+    """The ``THREADED_PACKAGE`` OpenBLAS, with ``PACKAGE``'s Fortran runtime as its own.
+
+    The library finds ``libgfortran.so.5`` in its own directory ($ORIGIN), so it
+    is loaded through a symbolic link in a temporary directory where that name
+    is a link to the vendored runtime (loaded first, with its libquadmath).
+    Once loaded, neither file is looked up again, and the directory goes.
+    """
+    libraries = _package_libraries(THREADED_PACKAGE)
+    runtimes = _package_libraries(PACKAGE, "libgfortran")
+    if not runtimes:  # a system libgfortran.so.5 would do
+        return next((str(path) for path in libraries if _load_global(str(path))), None)
+    _load_runtimes(runtimes[0].parent)
+    for library in libraries:
+        try:
+            with tempfile.TemporaryDirectory(prefix="t5-spec-blas-") as directory:
+                link = Path(directory) / library.name
+                link.symlink_to(library)
+                (Path(directory) / FORTRAN_RUNTIME).symlink_to(runtimes[0])
+                if _load_global(str(link)):
+                    return str(library)
+        except OSError:  # no writable temporary directory
+            return None
+    return None
+
+
 def _from_package() -> str | None:
-    for library in _package_libraries():
-        for runtime in VENDORED_RUNTIMES:
-            for path in sorted(library.parent.glob(f"{runtime}*.so*")):
-                try:
-                    ctypes.CDLL(str(path))
-                except OSError:
-                    pass
+    for library in _package_libraries(PACKAGE):
+        _load_runtimes(library.parent)
         if _load_global(str(library)):
             return str(library)
     return None
@@ -176,6 +219,10 @@ def load() -> str | None:
         _status = "mlx.core was imported before blas: MLX's bundled reference BLAS"
         _say(f"{_status}; import blas before mlx for the optimized BLAS")
         return None
+    _loaded = _from_threaded_package()
+    if _loaded is not None:
+        _status = f"OpenBLAS from the {THREADED_PACKAGE} package: {_loaded}"
+        return _loaded
     _loaded = _from_package()
     if _loaded is not None:
         _status = f"OpenBLAS from the {PACKAGE} package: {_loaded}"

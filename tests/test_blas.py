@@ -3,9 +3,11 @@
 Each case runs a fresh interpreter, so the import order is the real one, with the
 dynamic linker's binding log on (``LD_DEBUG=bindings``): its line "binding file
 .../libmlx.so to FILE: normal symbol `cblas_sgemm'" names the file whose
-``cblas_sgemm`` every matmul of MLX calls. The child also reports which file
-defines the ``cblas_sgemm`` of the global scope (``dladdr``) and the files it
-has mapped (``/proc/self/maps``). No timing.
+``cblas_sgemm`` every matmul of MLX calls. The child also reports which object
+defines the ``cblas_sgemm`` of the global scope (``dladdr``): the name the
+dynamic linker knows it by (for the threaded OpenBLAS, a symbolic link in a
+temporary directory that is gone by then) and the file mapped at its base
+address (``/proc/self/maps``), and the files it has mapped. No timing.
 """
 
 import json
@@ -48,34 +50,50 @@ class DlInfo(ctypes.Structure):
                 ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
 
 
+with open("/proc/self/maps") as maps:
+    lines = [line.split() for line in maps if " /" in line]
+mapped = sorted({os.path.realpath(line[-1]) for line in lines})
+
 process = ctypes.CDLL(None)
 try:
     address = ctypes.cast(process.cblas_sgemm, ctypes.c_void_p)
 except AttributeError:  # no cblas_sgemm in the global scope
-    global_provider = None
+    provider_name = global_provider = None
 else:
     info = DlInfo()
     assert process.dladdr(address, ctypes.byref(info))
-    global_provider = os.path.realpath(info.dli_fname.decode())
-
-with open("/proc/self/maps") as maps:
-    mapped = sorted({os.path.realpath(line.split()[-1]) for line in maps if " /" in line})
+    provider_name = info.dli_fname.decode()
+    (global_provider,) = {
+        os.path.realpath(line[-1]) for line in lines
+        if int(line[0].split("-")[0], 16) == info.dli_fbase
+    }
 
 print(json.dumps({
     "loaded": blas.loaded_library(),
     "status": blas.status(),
     "threads": blas.num_threads(),
+    "provider_name": provider_name,
     "global_provider": global_provider,
     "mapped": mapped,
 }))
 """
 
 
-def run_child(tmp_path: Path, order: str = "blas-first", disable: bool = False):
-    """Run CHILD; return its report, the file libmlx.so bound ``cblas_sgemm`` to, and stderr."""
-    env = {k: v for k, v in os.environ.items() if k != "T5_SPEC_NO_BLAS"}
+THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
+
+
+def run_child(tmp_path: Path, order: str = "blas-first", disable: bool = False, threads=None):
+    """Run CHILD; return its report, the file libmlx.so bound ``cblas_sgemm`` to, and stderr.
+
+    ``threads``, if given, is the child's ``OPENBLAS_NUM_THREADS``; no thread
+    setting is passed on otherwise.
+    """
+    drop = ("T5_SPEC_NO_BLAS", *THREAD_SETTINGS)
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     if disable:
         env["T5_SPEC_NO_BLAS"] = "1"
+    if threads is not None:
+        env["OPENBLAS_NUM_THREADS"] = str(threads)
     log = tmp_path / "ld"
     env |= {"LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(log)}
     result = subprocess.run(
@@ -115,7 +133,7 @@ def test_mlx_calls_the_optimized_cblas(tmp_path):
     )
     loaded = os.path.realpath(loaded)
     # What MLX calls, what the global scope resolves, and what blas.py loaded: one file.
-    assert mlx_sgemm == loaded
+    assert mlx_sgemm == os.path.realpath(report["provider_name"])
     assert report["global_provider"] == loaded
     assert loaded in report["mapped"]
     assert not is_bundled(loaded)
@@ -129,8 +147,18 @@ def test_the_python_api_gets_the_optimized_cblas(tmp_path):
     """``from decoder import ...; from model import load_model``, as the README shows."""
     report, mlx_sgemm, stderr = run_child(tmp_path, order="readme")
     assert report["loaded"] is not None, report["status"]
-    assert mlx_sgemm == os.path.realpath(report["loaded"])
+    assert mlx_sgemm == os.path.realpath(report["provider_name"])
+    assert report["global_provider"] == os.path.realpath(report["loaded"])
     assert not is_bundled(mlx_sgemm)
+    assert stderr == ""
+
+
+def test_an_explicit_thread_count_is_kept(tmp_path):
+    """``OPENBLAS_NUM_THREADS=1`` set by the user: the OpenBLAS computes with one thread."""
+    report, mlx_sgemm, stderr = run_child(tmp_path, threads=1)
+    assert report["loaded"] is not None, report["status"]
+    assert report["threads"] == 1
+    assert mlx_sgemm == os.path.realpath(report["provider_name"])
     assert stderr == ""
 
 
@@ -142,6 +170,7 @@ def test_disabled_keeps_the_bundled_reference_blas(tmp_path):
     assert is_bundled(mlx_sgemm), mlx_sgemm
     # The bundled library is private to libmlx.so: nothing defines cblas_sgemm globally.
     assert report["global_provider"] is None
+    assert report["provider_name"] is None
     assert stderr == ""
 
 
