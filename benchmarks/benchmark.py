@@ -13,7 +13,8 @@ regularly and then in every mode and delta, in turn, prompt after prompt
 (``--repeats`` times), so that drift in machine speed affects all alike.
 Reported per mode and delta:
 
-- tokens/s of regular and speculative decoding, and the speedup;
+- generation tokens/s of regular and speculative decoding (prompt
+  processing excluded: it is reported apart), and the speedup;
 - alpha, the acceptance rate of the draft tokens the main model actually
   tested: accepted / (accepted + rejected). A round stops at its first
   rejection; the draft tokens after it were never tested and do not count;
@@ -21,7 +22,16 @@ Reported per mode and delta:
   the share of rounds drafted by prompt lookup;
 - c, the measured time of one draft step over one main step;
 - for the draft model with a fixed g, the speedup the paper predicts from
-  alpha and c, (1 - alpha^(g+1)) / ((1 - alpha)(g c + 1)), and measured / predicted.
+  alpha and c, (1 - alpha^(g+1)) / ((1 - alpha)(g c + 1)); the verify-aware
+  prediction, with the measured cost v(g+1) of a main pass over g + 1 tokens
+  (in one-token passes) in place of the paper's 1; and the loop's
+  efficiency, measured / verify-aware prediction;
+- the share of the bandwidth bound reached: tokens/s over the single-token
+  steps per second that the machine's memory bandwidth allows the main model.
+
+Before the table: the memory bandwidth (a large array copy), the bytes of
+weights a main-model decoder step reads, that bound, regular decoding's share
+of it, prompt processing tokens/s, and v(k) for k = 1 .. 17.
 
 At temperature 0 it also checks that the speculative tokens equal the regular
 ones. Results go to a table, OUTPUT.csv, OUTPUT.json and, when matplotlib is
@@ -43,8 +53,12 @@ from pathlib import Path
 # The example's modules live one folder up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import blas  # an optimized BLAS on Linux: must come before mlx is imported
+# An optimized BLAS on Linux: must come before anything imports mlx.
+import blas  # isort: skip
+from limits import decoder_step_bytes, memory_bandwidth
+
 from cli import ArgumentParser, num_draft
+from decoder import MAX_AUTO_DRAFT, expected_tokens_per_round, pass_times
 
 PROMPTS = [
     "translate English to German: The museum opens at nine and closes early on Sundays.",
@@ -86,9 +100,10 @@ class Row:
     delta: float
     drafting: str
     num_draft: int | str
-    regular_tokens_per_s: float
+    regular_tokens_per_s: float  # generation only, as every tokens/s here
     speculative_tokens_per_s: float
     speedup: float
+    bound_share: float  # speculative tokens/s over the main model's bandwidth bound
     alpha: float
     tokens_per_pass: float
     mean_draft: float  # draft tokens per drafted round
@@ -96,14 +111,19 @@ class Row:
     cost_ratio: float
     predicted_speedup: float | None  # the draft model with a fixed g only
     efficiency: float | None
+    verify_cost: float | None  # v(g + 1)
+    verify_aware_speedup: float | None
+    loop_efficiency: float | None  # measured / verify-aware prediction
     identical: bool | None  # temperature 0 only
 
 
-def predicted_speedup(alpha: float, num_draft: int, cost_ratio: float) -> float:
-    """Leviathan et al., eq. 1 with their cost model: expected walltime improvement."""
-    if alpha >= 1:
-        return (num_draft + 1) / (num_draft * cost_ratio + 1)
-    return (1 - alpha ** (num_draft + 1)) / ((1 - alpha) * (num_draft * cost_ratio + 1))
+def predicted_speedup(
+    alpha: float, num_draft: int, cost_ratio: float, verify_cost: float = 1.0
+) -> float:
+    """Leviathan et al., eq. 1: expected walltime improvement. The paper takes
+    a main pass over g + 1 tokens to cost as much as one over a single token
+    (``verify_cost`` 1); pass the measured v(g + 1) for the verify-aware form."""
+    return expected_tokens_per_round(alpha, num_draft) / (num_draft * cost_ratio + verify_cost)
 
 
 def step_time(model, prompt_ids, steps: int = 24) -> float:
@@ -119,6 +139,43 @@ def step_time(model, prompt_ids, steps: int = 24) -> float:
         token = mx.argmax(logits[:, -1:], axis=-1)
         mx.eval(token)
     return (time.perf_counter() - start) / steps
+
+
+def measure_machine(model, draft_model, prompt_ids) -> dict:
+    """The memory bandwidth, the bytes a decoder step of each model reads, the
+    main model's bound in single-token steps per second, and v(k)."""
+    bandwidth = memory_bandwidth()
+    step_bytes = decoder_step_bytes(model)
+    # k = 1 .. MAX_AUTO_DRAFT + 1 tokens: the verify passes of g = 0 .. 16.
+    times = pass_times(model, model.encode(prompt_ids), MAX_AUTO_DRAFT + 1, repeats=9)
+    return {
+        "bandwidth_gb_per_s": bandwidth / 1e9,
+        "main_step_gb": step_bytes / 1e9,
+        "draft_step_gb": decoder_step_bytes(draft_model) / 1e9,
+        "bound_tokens_per_s": bandwidth / step_bytes,
+        "verify_costs": [t / times[0] for t in times],
+    }
+
+
+def describe_machine(machine: dict) -> str:
+    """The lines printed before the table."""
+    lines = [
+        (
+            f"memory bandwidth {machine['bandwidth_gb_per_s']:.1f} GB/s; a decoder step reads "
+            f"{machine['main_step_gb']:.3f} GB (main), {machine['draft_step_gb']:.3f} GB "
+            f"(draft): at most {machine['bound_tokens_per_s']:.1f} main-model steps/s"
+        ),
+        "v(k), a main pass over k tokens in one-token passes: "
+        + ", ".join(f"{k}: {v:.2f}" for k, v in enumerate(machine["verify_costs"], 1)),
+    ]
+    for name, regular in machine["regular"].items():
+        lines.append(
+            f"regular decoding at {name}: {regular['tokens_per_s']:.1f} tokens/s, "
+            f"{regular['bound_share']:.0%} of the bound; prompt processing "
+            f"{regular['prompt_tokens_per_s']:.0f} tokens/s "
+            f"(prompts of {regular['mean_prompt_tokens']:.0f} tokens on average)"
+        )
+    return "\n".join(lines)
 
 
 def parse_list(kind, name: str | None = None):
@@ -216,39 +273,53 @@ def configure(decoder, draft_model, prompt_lookup: int, mode: Mode) -> None:
     decoder.num_draft, decoder.delta = mode.num_draft, mode.delta
 
 
-def run_temperature(decoder, draft_model, prompts, temp, all_modes, args, cost_ratio, progress):
+@dataclass
+class Costs:
+    """What the predictions and the bandwidth share need, measured once."""
+
+    cost_ratio: float  # a draft step's time over a main step's
+    verify_costs: list[float]  # [k - 1]: v(k), a main pass over k tokens in one-token passes
+    bound: float  # single-token main steps per second the memory bandwidth allows
+
+
+def run_temperature(decoder, draft_model, prompts, temp, all_modes, args, costs, progress):
     """Decode every prompt regularly and then in each mode, prompt after
-    prompt; one Row per mode."""
-    regular_time, regular_tokens = 0.0, 0
+    prompt: one Row per mode, and regular decoding's totals."""
+    regular = dict.fromkeys(("time", "tokens", "prompt_time", "prompt_tokens"), 0)
     totals = {mode: dict.fromkeys(TOTALS, 0) for mode in all_modes}
     identical = dict.fromkeys(all_modes, True)
     for repeat in range(args.repeats):
         for number, prompt in enumerate(prompts):
             options = {"max_tokens": args.max_tokens, "temp": temp, "seed": args.seed + number}
-            regular = decoder.generate(prompt, **options)
-            regular_time += regular.elapsed
-            regular_tokens += len(regular.tokens)
+            reference = decoder.generate(prompt, **options)
+            for name, value in count(reference).items():
+                if name in regular:
+                    regular[name] += value
             for mode in all_modes:
                 configure(decoder, draft_model, args.prompt_lookup, mode)
                 result = decoder.speculative_decode(prompt, **options)
                 for name, value in count(result).items():
                     totals[mode][name] += value
-                identical[mode] &= result.tokens == regular.tokens
+                identical[mode] &= result.tokens == reference.tokens
             progress.update(1)
-    regular_speed = regular_tokens / regular_time
-    return [
-        make_row(temp, mode, totals[mode], regular_speed, cost_ratio, identical[mode])
+    regular_speed = regular["tokens"] / regular["time"]
+    rows = [
+        make_row(temp, mode, totals[mode], regular_speed, costs, identical[mode])
         for mode in all_modes
     ]
+    return rows, regular
 
 
-TOTALS = ("time", "tokens", "accepted", "rejected", "passes", "proposed", "rounds", "lookup")
+TOTALS = (
+    "time", "tokens", "accepted", "rejected", "passes", "proposed", "rounds", "lookup",
+    "prompt_time", "prompt_tokens",
+)  # fmt: skip
 
 
 def count(result) -> dict[str, float]:
-    """What one speculative run adds to its mode's TOTALS."""
+    """What one run adds to its mode's TOTALS."""
     return {
-        "time": result.elapsed,
+        "time": result.generation_time,
         "tokens": len(result.tokens),
         "accepted": result.n_accepted,
         "rejected": result.n_rejected,
@@ -256,16 +327,21 @@ def count(result) -> dict[str, float]:
         "proposed": result.n_draft,
         "rounds": len(result.draft_lengths),
         "lookup": result.n_lookup_rounds,
+        "prompt_time": result.prompt_time,
+        "prompt_tokens": result.prompt_tokens,
     }
 
 
-def make_row(temp, mode: Mode, totals: dict, regular_speed, cost_ratio, identical) -> Row:
+def make_row(temp, mode: Mode, totals: dict, regular_speed, costs: Costs, identical) -> Row:
     speed = totals["tokens"] / totals["time"]
     tested = totals["accepted"] + totals["rejected"]
     alpha = totals["accepted"] / tested if tested else 0.0
-    predicted = None
+    predicted = verify_cost = verify_aware = None
     if mode.drafting == "draft model" and mode.num_draft != "auto":
-        predicted = predicted_speedup(alpha, mode.num_draft, cost_ratio)
+        predicted = predicted_speedup(alpha, mode.num_draft, costs.cost_ratio)
+        if mode.num_draft < len(costs.verify_costs):
+            verify_cost = costs.verify_costs[mode.num_draft]
+            verify_aware = predicted_speedup(alpha, mode.num_draft, costs.cost_ratio, verify_cost)
     speedup = speed / regular_speed
     return Row(
         temp=temp,
@@ -275,13 +351,17 @@ def make_row(temp, mode: Mode, totals: dict, regular_speed, cost_ratio, identica
         regular_tokens_per_s=regular_speed,
         speculative_tokens_per_s=speed,
         speedup=speedup,
+        bound_share=speed / costs.bound,
         alpha=alpha,
         tokens_per_pass=totals["tokens"] / totals["passes"],
         mean_draft=totals["proposed"] / totals["rounds"] if totals["rounds"] else 0.0,
         lookup_rounds=totals["lookup"] / totals["passes"],
-        cost_ratio=cost_ratio,
+        cost_ratio=costs.cost_ratio,
         predicted_speedup=predicted,
         efficiency=speedup / predicted if predicted else None,
+        verify_cost=verify_cost,
+        verify_aware_speedup=verify_aware,
+        loop_efficiency=speedup / verify_aware if verify_aware else None,
         identical=identical if temp == 0 else None,
     )
 
@@ -294,6 +374,7 @@ COLUMNS = [
     ("regular_tokens_per_s", "regular tok/s", "{:.1f}"),
     ("speculative_tokens_per_s", "spec tok/s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("bound_share", "of bound", "{:.0%}"),
     ("alpha", "alpha", "{:.3f}"),
     ("tokens_per_pass", "tok/pass", "{:.2f}"),
     ("mean_draft", "mean g", "{:.2f}"),
@@ -301,6 +382,9 @@ COLUMNS = [
     ("cost_ratio", "c", "{:.3f}"),
     ("predicted_speedup", "predicted", "{:.2f}x"),
     ("efficiency", "efficiency", "{:.2f}"),
+    ("verify_cost", "v(g+1)", "{:.2f}"),
+    ("verify_aware_speedup", "verify-aware", "{:.2f}x"),
+    ("loop_efficiency", "loop eff.", "{:.2f}"),
     ("identical", "= regular", "{}"),
 ]
 
@@ -380,8 +464,11 @@ def write_outputs(rows: list[Row], extra: dict, output: Path) -> list[Path]:
 
 def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
     """Greedy and assisted generation in transformers on the original
-    checkpoints, on the same prompts, timed the same way; assisted generation
-    and ours draft ``num_draft`` tokens per round."""
+    checkpoints, on the same prompts, timed the same way (prompt processing
+    included); assisted generation and ours draft ``num_draft`` tokens per
+    round. Prompt processing apart: tokenizing and the encoder pass in
+    transformers, and ours, which also computes the cross-attention keys and
+    values (transformers does that in its first decoder step)."""
     import torch
     from transformers import AutoTokenizer, T5ForConditionalGeneration
     from transformers.utils import logging as hf_logging
@@ -401,12 +488,18 @@ def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
     options = {"max_new_tokens": args.max_tokens, "do_sample": False, "num_beams": 1}
     times = {"greedy": 0.0, "assisted": 0.0, "ours_regular": 0.0, "ours_speculative": 0.0}
     tokens = dict.fromkeys(times, 0)
+    prompt_times = {"transformers": 0.0, "ours": 0.0}
+    prompt_tokens = 0
     matches = 0
     decoder.num_draft, decoder.delta = num_draft, 0.0
     with torch.no_grad():
         main.generate(**tokenizer(prompts[0], return_tensors="pt"), **options)  # warm-up
         for prompt in prompts:
+            start = time.perf_counter()
             inputs = tokenizer(prompt, return_tensors="pt")
+            main.get_encoder()(**inputs)
+            prompt_times["transformers"] += time.perf_counter() - start
+            prompt_tokens += inputs.input_ids.shape[1]
             for name, extra in (("greedy", {}), ("assisted", {"assistant_model": draft})):
                 start = time.perf_counter()
                 output = main.generate(**inputs, **options, **extra)[0, 1:].tolist()
@@ -423,10 +516,15 @@ def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
                 result = run(prompt, max_tokens=args.max_tokens)
                 times[name] += result.elapsed
                 tokens[name] += len(result.tokens)
+                if name == "ours_regular":
+                    prompt_times["ours"] += result.prompt_time
             matches += result.tokens == greedy
     speeds = {name: tokens[name] / times[name] for name in times}
+    prompt_speeds = {name: prompt_tokens / seconds for name, seconds in prompt_times.items()}
     return {
         "tokens_per_s": speeds,
+        "prompt_tokens_per_s": prompt_speeds,
+        "prompt_vs_transformers": prompt_speeds["ours"] / prompt_speeds["transformers"],
         "num_draft": num_draft,
         "torch_threads": torch.get_num_threads(),
         "regular_vs_transformers_greedy": speeds["ours_regular"] / speeds["greedy"],
@@ -464,14 +562,30 @@ def main(argv: list[str] | None = None) -> int:
         configure(decoder, draft_model, args.prompt_lookup, mode)
         decoder.speculative_decode(prompts[0], max_tokens=8)
     prompt_ids = mx.array([tokenizer(prompts[0]).input_ids])
-    cost_ratio = step_time(draft_model, prompt_ids) / step_time(model, prompt_ids)
-    rows = []
+    machine = measure_machine(model, draft_model, prompt_ids)
+    costs = Costs(
+        cost_ratio=step_time(draft_model, prompt_ids) / step_time(model, prompt_ids),
+        verify_costs=machine["verify_costs"],
+        bound=machine["bound_tokens_per_s"],
+    )
+    rows, regular = [], {}
     total = len(args.temp) * args.repeats * len(prompts)
     with tqdm(total=total, desc="decoding", file=sys.stderr) as progress:
         for temp in args.temp:
-            rows += run_temperature(
-                decoder, draft_model, prompts, temp, all_modes, args, cost_ratio, progress
+            temp_rows, regular[temp] = run_temperature(
+                decoder, draft_model, prompts, temp, all_modes, args, costs, progress
             )
+            rows += temp_rows
+    machine["regular"] = {
+        f"temp {temp:g}": {
+            "tokens_per_s": totals["tokens"] / totals["time"],
+            "bound_share": totals["tokens"] / totals["time"] / costs.bound,
+            "prompt_tokens_per_s": totals["prompt_tokens"] / totals["prompt_time"],
+            "mean_prompt_tokens": totals["prompt_tokens"] / (args.repeats * len(prompts)),
+        }
+        for temp, totals in regular.items()
+    }
+    print(describe_machine(machine))
     print(format_table(rows))
     configure(decoder, draft_model, args.prompt_lookup, Mode("hybrid", "auto", 0.0))
     draft_costs, verify_costs = decoder.measure_costs(prompt_ids)
@@ -486,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         "auto_draft_costs": draft_costs,
         "auto_verify_costs": verify_costs,
         "blas": blas.loaded_library(),
+        "blas_threads": blas.num_threads(),
+        "machine": machine,
     }
     if args.compare_hf:
         # Assisted generation drafts as many tokens as our fastest greedy setting.

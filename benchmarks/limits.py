@@ -1,19 +1,14 @@
-"""Where decoding time goes, against what the machine allows.
+"""What the machine allows: memory bandwidth and the bytes a decoder step reads.
 
 A decoder step with one new token reads every weight it uses once and does
-little arithmetic per byte, so its speed is bounded by memory bandwidth:
-at most ``bandwidth / bytes_per_step`` steps per second. A speculative round
-adds a main pass over ``g + 1`` tokens, whose cost ``v(g + 1)`` (in one-token
-passes) the paper's formula takes to be 1; on a CPU it is not, so the
-verify-aware prediction uses the measured value.
+little arithmetic per byte, so its speed is bounded by memory bandwidth: at
+most ``bandwidth / bytes_per_step`` steps per second.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
-import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -44,30 +39,4 @@ def decoder_step_bytes(model) -> int:
             continue
         total += weight.nbytes
     output = model.shared if model.args.tie_word_embeddings else model.lm_head
-    return total + sum(w.nbytes for _, w in tree_flatten(output.parameters()))
-
-
-def pass_costs(model, prompt_ids: mx.array, lengths: list[int], repeats: int = 15) -> dict:
-    """``{k: v(k)}``: the time of a main-model decoder pass over ``k`` new
-    tokens relative to a one-token pass, medians over ``repeats`` interleaved
-    rounds on a warm cache of 16 positions."""
-    cache = model.make_cache(model.encode(prompt_ids))
-    start_token = model.args.decoder_start_token_id
-    mx.eval(model.decode(mx.array([[start_token] * 16]), cache))
-    times = {k: [] for k in sorted({1, *lengths})}
-    for _ in range(repeats):
-        for k, samples in times.items():
-            tokens = mx.array([[start_token] * k])
-            start = time.perf_counter()
-            mx.eval(model.decode(tokens, cache))
-            samples.append(time.perf_counter() - start)
-            cache.trim(k)
-    one = statistics.median(times[1])
-    return {k: statistics.median(samples) / one for k, samples in times.items()}
-
-
-def verify_aware_speedup(alpha: float, num_draft: int, cost_ratio: float, verify_cost: float):
-    """The paper's expected speedup with the main pass over ``g + 1`` tokens
-    costing ``verify_cost`` one-token passes instead of one."""
-    tokens = num_draft + 1 if alpha >= 1 else (1 - alpha ** (num_draft + 1)) / (1 - alpha)
-    return tokens / (num_draft * cost_ratio + verify_cost)
+    return total + sum(weight.nbytes for _, weight in tree_flatten(output.parameters()))

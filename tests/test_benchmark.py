@@ -8,6 +8,9 @@ import sys
 import pytest
 from benchmark import predicted_speedup
 from conftest import ROOT
+from limits import decoder_step_bytes
+
+from model import T5, ModelArgs
 
 
 def run_benchmark(main_dir, draft_dir, *options: str) -> subprocess.CompletedProcess:
@@ -40,6 +43,26 @@ def test_predicted_speedup_follows_the_paper():
     assert max(predicted_speedup(0.75, g, 0.2) for g in range(1, 10)) == pytest.approx(
         1.7, abs=0.05
     )
+
+    # Verify-aware: a main pass over g + 1 tokens costing v one-token passes instead of 1.
+    assert predicted_speedup(0.75, 3, 0.1, 1.5) == pytest.approx((1 - 0.75**4) / (0.25 * 1.8))
+    assert predicted_speedup(0.75, 3, 0.1, 1.0) == predicted_speedup(0.75, 3, 0.1)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decoder_step_bytes_counts_the_weights_one_step_reads(tied):
+    args = ModelArgs(
+        vocab_size=100, d_model=16, d_kv=4, num_heads=2, d_ff=24, num_layers=1,
+        num_decoder_layers=3, feed_forward_proj="relu" if tied else "gated-gelu",
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    inner, feed_forward = 4 * 2, 24 * (1 if tied else 2)
+    # Per decoder layer: self-attention q, k, v, o; cross-attention q and o (its keys and
+    # values are computed once per prompt); the feed-forward block; three norms.
+    layer = 4 * 16 * inner + 2 * 16 * inner + feed_forward * 16 + 24 * 16 + 3 * 16
+    # Three layers, the final norm and the output projection (the embedding when tied).
+    expected = 4 * (3 * layer + 16 + 100 * 16)
+    assert decoder_step_bytes(T5(args)) == expected
 
 
 def run_greedy(converted_pair, output, *options: str) -> tuple[str, list[dict], dict]:
@@ -93,6 +116,24 @@ def test_benchmark_compares_every_drafting_mode(converted_pair, tmp_path):
     # The paper's prediction needs one fixed g and a draft model.
     assert [r["predicted_speedup"] != "" for r in rows] == [True] + [False] * 5
     assert report["repeats"] == 2 and len(report["auto_verify_costs"]) == 17
+    # Against the machine: the bandwidth bound, v(k) for the verify passes of g = 0 .. 16.
+    machine = report["machine"]
+    assert machine["bandwidth_gb_per_s"] > 0 and machine["main_step_gb"] > 0
+    assert machine["bound_tokens_per_s"] == pytest.approx(
+        machine["bandwidth_gb_per_s"] / machine["main_step_gb"]
+    )
+    assert len(machine["verify_costs"]) == 17 and machine["verify_costs"][0] == 1
+    regular = machine["regular"]["temp 0"]
+    assert regular["bound_share"] == pytest.approx(
+        regular["tokens_per_s"] / machine["bound_tokens_per_s"]
+    )
+    assert regular["prompt_tokens_per_s"] > 0
+    # The verify-aware prediction uses v(g + 1) of the machine section.
+    row = rows[0]
+    assert float(row["verify_cost"]) == pytest.approx(machine["verify_costs"][2])
+    assert float(row["loop_efficiency"]) == pytest.approx(
+        float(row["speedup"]) / float(row["verify_aware_speedup"]), rel=1e-4
+    )
 
 
 def test_benchmark_compares_with_transformers(hf_pair, converted_pair, tmp_path):
@@ -117,6 +158,8 @@ def test_benchmark_compares_with_transformers(hf_pair, converted_pair, tmp_path)
     assert report["num_draft"] == 2 and report["torch_threads"] == 1
     assert set(report["tokens_per_s"]) == {"greedy", "assisted", "ours_regular", "ours_speculative"}
     assert all(speed > 0 for speed in report["tokens_per_s"].values())
+    assert set(report["prompt_tokens_per_s"]) == {"transformers", "ours"}
+    assert report["prompt_vs_transformers"] > 0
 
 
 @pytest.mark.parametrize(
