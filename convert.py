@@ -3,6 +3,7 @@
     python convert.py --model t5-small
     python convert.py --model google/flan-t5-large --dtype bfloat16
     python convert.py --model path/to/hf_checkpoint --out mlx_models/mine
+    python convert.py --model t5-11b -q                 # 4-bit: mlx_models/t5-11b-4bit
 
 The output directory holds ``weights.npz`` (MLX parameter names),
 ``config.json`` and the tokenizer files, so running needs no network.
@@ -16,14 +17,17 @@ import re
 import shutil
 import sys
 import tempfile
+import time
+from collections import Counter
 from pathlib import Path
 
 # Before mlx.core: on Linux it loads an optimized BLAS, which MLX binds to only if loaded first.
 import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
+from mlx import nn
 
 from cli import ArgumentParser
-from model import T5, ModelArgs
+from model import T5, ModelArgs, quantizable_layers
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "spiece.model"]
@@ -36,9 +40,53 @@ SUBLAYERS = {
 PROJECTIONS = {"q": "query_proj", "k": "key_proj", "v": "value_proj", "o": "out_proj"}
 
 
-def default_output(model: str) -> Path:
-    """Where ``model`` is written unless ``--out`` says otherwise."""
+# What each quantization mode of mx.quantize takes: bits, then group sizes; defaults first.
+QUANTIZATION_MODES = {
+    "affine": ((4, 2, 3, 5, 6, 8), (64, 32, 128)),
+    "mxfp4": ((4,), (32,)),
+    "mxfp8": ((8,), (32,)),
+    "nvfp4": ((4,), (16,)),
+}
+
+
+def mode_runs(mode: str) -> bool:
+    """Whether this platform's MLX runs a quantized linear layer and a
+    quantized embedding (looked up and used as a linear layer) in ``mode``."""
+    bits, group_size = (choices[0] for choices in QUANTIZATION_MODES[mode])
+    settings = {"group_size": group_size, "bits": bits, "mode": mode}
+    try:
+        linear = nn.QuantizedLinear(2 * group_size, 8, bias=False, **settings)
+        embedding = nn.QuantizedEmbedding(8, 2 * group_size, **settings)
+        mx.eval(linear(embedding(mx.array([1]))), embedding.as_linear(mx.ones((1, 2 * group_size))))
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+def quantization_settings(bits: int | None, group_size: int | None, mode: str) -> dict:
+    """``{"group_size", "bits", "mode"}`` with the mode's defaults filled in;
+    ``ValueError`` for what the mode does not take or this platform cannot run."""
+    bit_choices, group_choices = QUANTIZATION_MODES[mode]
+    bits = bit_choices[0] if bits is None else bits
+    group_size = group_choices[0] if group_size is None else group_size
+    if bits not in bit_choices:
+        raise ValueError(f"--q-mode {mode} takes --q-bits {' or '.join(map(str, bit_choices))}")
+    if group_size not in group_choices:
+        raise ValueError(
+            f"--q-mode {mode} takes --q-group-size {' or '.join(map(str, group_choices))}"
+        )
+    if not mode_runs(mode):
+        raise ValueError(f"--q-mode {mode} does not run on this platform's MLX; use affine")
+    return {"group_size": group_size, "bits": bits, "mode": mode}
+
+
+def default_output(model: str, quantization: dict | None = None) -> Path:
+    """Where ``model`` is written unless ``--out`` says otherwise: the
+    mlx-community names, ``<name>-4bit`` (affine) or ``<name>-mxfp4``, when quantized."""
     name = Path(model).name if Path(model).is_dir() else model.replace("/", "-")
+    if quantization:
+        mode = quantization["mode"]
+        name += f"-{quantization['bits']}bit" if mode == "affine" else f"-{mode}"
     return Path("mlx_models") / name
 
 
@@ -180,12 +228,78 @@ def model_config(hf_config: dict, has_lm_head: bool) -> dict:
     }
 
 
-def convert(model: str, out: Path, dtype: str = "bfloat16") -> Path:
+def read_checkpoint(checkpoint: Path) -> dict[str, mx.array]:
+    """Every tensor the model needs, by MLX name. Safetensors are read lazily:
+    a tensor's bytes are loaded only when it is converted."""
+    tensors = {}
+    shards = weight_files(checkpoint)
+    for number, shard in enumerate(shards, 1):
+        print(f"[{number}/{len(shards)}] reading {shard.name}", flush=True)
+        for hf_name, tensor in read_shard(shard).items():
+            name = mlx_name(hf_name)
+            if name is not None:
+                tensors[name] = tensor
+    if "shared.weight" not in tensors:
+        raise ValueError(f"{checkpoint} has no shared.weight: is this a T5 checkpoint?")
+    return tensors
+
+
+def check_shapes(checkpoint: Path, config: dict, tensors: dict[str, mx.array]) -> None:
+    """Every tensor the model needs, none it doesn't, all of the right shape."""
+    try:
+        T5(ModelArgs.from_dict(config)).load_weights(list(tensors.items()))
+    except ValueError as error:
+        reason = " ".join(str(error).split())  # MLX's message spans lines
+        raise ValueError(f"{checkpoint} does not match its config.json: {reason}") from None
+
+
+def describe_layers(paths: set[str]) -> str:
+    """``encoder.layers.*.ff.wo (6), ...``: layer paths, one entry per kind."""
+    kinds = Counter(re.sub(r"layers\.\d+\.", "layers.*.", path) for path in paths)
+    return ", ".join(
+        f"{kind} ({count})" if count > 1 else kind for kind, count in sorted(kinds.items())
+    )
+
+
+def convert_tensors(
+    tensors: dict[str, mx.array], dtype: str, quantization: dict | None, layers: set[str]
+) -> dict[str, mx.array]:
+    """Cast every tensor to ``dtype`` and quantize the weights of ``layers``,
+    one tensor at a time, emptying ``tensors``: each result is evaluated
+    while only it holds the source, so the float copy is freed at once and
+    memory holds the output and one input tensor."""
+    weights = {}
+    total = len(tensors)
+    last_report = time.monotonic()  # progress every few seconds, for big models
+    for number, name in enumerate(list(tensors), 1):
+        tensor = tensors.pop(name).astype(DTYPES[dtype])
+        layer = name.removesuffix(".weight")
+        if layer in layers:
+            packed = mx.quantize(tensor, **quantization)
+            parts = dict(zip(("weight", "scales", "biases"), packed))
+        else:
+            parts = {name.rsplit(".", 1)[1]: tensor}
+        del tensor
+        converted = {f"{name.rsplit('.', 1)[0]}.{part}": array for part, array in parts.items()}
+        mx.eval(converted)
+        weights.update(converted)
+        if time.monotonic() - last_report > 5:
+            print(f"converted {number}/{total} tensors", flush=True)
+            last_report = time.monotonic()
+    return weights
+
+
+def convert(
+    model: str, out: Path, dtype: str = "bfloat16", quantization: dict | None = None
+) -> Path:
     """Convert ``model`` (hub id or local directory) into ``out``; returns ``out``.
 
-    The result appears all at once: it is assembled in a temporary directory
-    beside ``out`` and renamed into place, so an interrupted run leaves no
-    directory that looks converted.
+    ``quantization`` (``{"group_size", "bits", "mode"}``, see
+    ``quantization_settings``) quantizes the layers ``quantizable_layers``
+    names; the rest is cast to ``dtype``, which also sets the type of the
+    quantization scales. The result appears all at once: it is assembled in
+    a temporary directory beside ``out`` and renamed into place, so an
+    interrupted run leaves no directory that looks converted.
     """
     checkpoint = fetch_checkpoint(model)
     config_file = checkpoint / "config.json"
@@ -198,22 +312,21 @@ def convert(model: str, out: Path, dtype: str = "bfloat16") -> Path:
     check_t5(hf_config)
     tokenizer = read_tokenizer(checkpoint)
 
-    weights = {}
-    shards = weight_files(checkpoint)
-    for number, shard in enumerate(shards, 1):
-        print(f"[{number}/{len(shards)}] reading {shard.name}", flush=True)
-        for hf_name, tensor in read_shard(shard).items():
-            name = mlx_name(hf_name)
-            if name is not None:
-                weights[name] = tensor.astype(DTYPES[dtype])
-    if "shared.weight" not in weights:
-        raise ValueError(f"{checkpoint} has no shared.weight: is this a T5 checkpoint?")
-    config = model_config(hf_config, "lm_head.weight" in weights)
-    try:  # every tensor the model needs, none it doesn't, all of the right shape
-        T5(ModelArgs.from_dict(config)).load_weights(list(weights.items()))
-    except ValueError as error:
-        reason = " ".join(str(error).split())  # MLX's message spans lines
-        raise ValueError(f"{checkpoint} does not match its config.json: {reason}") from None
+    tensors = read_checkpoint(checkpoint)
+    config = model_config(hf_config, "lm_head.weight" in tensors)
+    check_shapes(checkpoint, config, tensors)
+    layers = set()
+    if quantization:
+        group_size = quantization["group_size"]
+        layers, too_narrow = quantizable_layers(T5(ModelArgs.from_dict(config)), group_size)
+        if too_narrow:
+            print(
+                f"kept in {dtype}, input width not a multiple of {group_size}: "
+                f"{describe_layers(too_narrow)}",
+                flush=True,
+            )
+        config["quantization"] = quantization
+    weights = convert_tensors(tensors, dtype, quantization, layers)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -225,7 +338,11 @@ def convert(model: str, out: Path, dtype: str = "bfloat16") -> Path:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(str(staging))
         size_gb = sum(w.nbytes for w in weights.values()) / 1e9
-        print(f"writing {len(weights)} tensors ({size_gb:.2f} GB, {dtype})", flush=True)
+        precision = dtype
+        if quantization:
+            precision += f", {len(layers)} layers {quantization['bits']}-bit {quantization['mode']}"
+            precision += f" in groups of {quantization['group_size']}"
+        print(f"writing {len(weights)} tensors ({size_gb:.2f} GB, {precision})", flush=True)
         mx.savez(str(staging / "weights.npz"), **weights)
         if out.exists():
             shutil.rmtree(out)
@@ -242,20 +359,48 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="hub id (t5-small, google/flan-t5-large) or local directory",
     )
-    parser.add_argument("--out", type=Path, help="output directory (default: mlx_models/<name>)")
+    parser.add_argument(
+        "--out", type=Path, help="output directory (default: mlx_models/<name>[-4bit])"
+    )
     parser.add_argument(
         "--dtype",
         choices=list(DTYPES),
         default="bfloat16",
-        help="parameter type of the converted weights (default: bfloat16)",
+        help="type of the floating-point parameters and scales (default: bfloat16)",
+    )
+    parser.add_argument("-q", "--quantize", action="store_true", help="quantize the weights")
+    parser.add_argument(
+        "--q-bits", type=int, help="bits per quantized weight (default: 4, or the mode's)"
+    )
+    parser.add_argument(
+        "--q-group-size",
+        type=int,
+        help="weights sharing one scale (default: 64, or the mode's)",
+    )
+    parser.add_argument(
+        "--q-mode",
+        choices=list(QUANTIZATION_MODES),
+        default="affine",
+        help="quantization mode (default: affine)",
     )
     args = parser.parse_args(argv)
-    out = args.out or default_output(args.model)
+    quantization = None
+    if args.quantize:
+        try:
+            quantization = quantization_settings(args.q_bits, args.q_group_size, args.q_mode)
+        except ValueError as error:
+            parser.error(str(error))
+    elif args.q_bits or args.q_group_size or args.q_mode != "affine":
+        parser.error("--q-bits, --q-group-size and --q-mode need -q/--quantize")
+    out = args.out or default_output(args.model, quantization)
     try:
-        convert(args.model, out, args.dtype)
+        convert(args.model, out, args.dtype, quantization)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the staging directory is already gone
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
     print(f"Saved to {out}")
     print(f"Use it as the main model: python main.py --model-name {out}")
     print(f"or as the draft model:    python main.py --draft-model-name {out}")

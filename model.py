@@ -44,6 +44,8 @@ class ModelArgs:
     decoder_start_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 0
+    # {"group_size": G, "bits": B, "mode": M} for a model convert.py quantized.
+    quantization: dict | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelArgs:
@@ -305,12 +307,18 @@ class T5(nn.Module):
 
     @property
     def dtype(self) -> mx.Dtype:
-        return self.shared.weight.dtype
+        """The floating-point type of the parameters (a quantized embedding's
+        weight is packed integers, so ask a norm)."""
+        return self.decoder.norm.weight.dtype
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        # A quantized embedding dequantizes to its scales' type; keep the model's.
+        return self.shared(tokens).astype(self.dtype)
 
     def encode(self, inputs: mx.array, mask: mx.array | None = None) -> mx.array:
         """Encoder output [B, S, d_model] for token ids [B, S]; ``mask`` marks
         real tokens with 1 and padding with 0."""
-        x = self.shared(inputs)
+        x = self.embed(inputs)
         length = inputs.shape[1]
         attn_mask = self.encoder.position_bias(length, length) + padding_mask(mask, x.dtype)
         for layer in self.encoder.layers:
@@ -325,7 +333,7 @@ class T5(nn.Module):
     def decode(self, decoder_inputs: mx.array, cache: DecoderCache) -> mx.array:
         """Logits [B, T, vocab] for the next token after each of the T new
         decoder tokens; appends them to ``cache``."""
-        x = self.shared(decoder_inputs)
+        x = self.embed(decoder_inputs)
         offset, length = cache.offset, decoder_inputs.shape[1]
         total = offset + length
         # Relative position buckets do not hide the future, so mask it.
@@ -351,6 +359,32 @@ class T5(nn.Module):
         return self.decode(decoder_inputs, self.make_cache(memory, mask))
 
 
+def quantizable_layers(model: T5, group_size: int) -> tuple[set[str], set[str]]:
+    """Which layers a quantized conversion quantizes: the paths of every
+    attention and feed-forward projection, ``lm_head`` and the shared
+    embedding (which also serves as the tied output projection), and apart,
+    those of them that stay in floating point because their input width is
+    not a multiple of ``group_size``.
+
+    The relative position bias tables are embeddings too, but they hold a
+    few numbers per head, read a few rows at a time: they stay in floating
+    point, chosen by path (their shape would not tell them apart in T5-11B).
+    """
+    quantized, too_narrow = set(), set()
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or "position_bias" in path:
+            continue
+        fits = module.weight.shape[-1] % group_size == 0
+        (quantized if fits else too_narrow).add(path)
+    return quantized, too_narrow
+
+
+def quantize(model: T5, quantization: dict, layers: set[str]) -> None:
+    """Replace the layers at ``layers`` paths by their quantized forms, with
+    ``quantization`` = {"group_size", "bits", "mode"}, in place."""
+    nn.quantize(model, **quantization, class_predicate=lambda path, _: path in layers)
+
+
 def load_config(path: str | Path) -> ModelArgs:
     """The ``ModelArgs`` in ``path/config.json``; ``ValueError`` if unreadable."""
     config_file = Path(path) / "config.json"
@@ -365,7 +399,7 @@ def load_config(path: str | Path) -> ModelArgs:
 
 
 def load_model(path: str | Path) -> T5:
-    """Load a model directory written by ``convert.py``.
+    """Load a model directory written by ``convert.py``, quantized or not.
 
     Raises ``FileNotFoundError`` if a file is missing and ``ValueError`` if
     the weights are unreadable or do not fit the configuration.
@@ -376,8 +410,13 @@ def load_model(path: str | Path) -> T5:
     if not weights_file.is_file():
         raise FileNotFoundError(f"{weights_file} does not exist")
     try:
+        weights = mx.load(str(weights_file))
         model = T5(args)
-        model.load_weights(list(mx.load(str(weights_file)).items()))
+        if args.quantization:
+            # The layers convert.py quantized are those whose weights have scales.
+            scaled = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
+            quantize(model, args.quantization, scaled)
+        model.load_weights(list(weights.items()))
         mx.eval(model.parameters())
     except (ValueError, RuntimeError) as error:
         reason = " ".join(str(error).split())  # MLX's message spans lines
