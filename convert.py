@@ -315,6 +315,7 @@ def convert(
     tensors = read_checkpoint(checkpoint)
     config = model_config(hf_config, "lm_head.weight" in tensors)
     check_shapes(checkpoint, config, tensors)
+    config["dtype"] = dtype  # for main.py's memory estimate; loading reads the weights' own
     layers = set()
     if quantization:
         group_size = quantization["group_size"]

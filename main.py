@@ -9,7 +9,11 @@ python main.py --draft-model-name none --prompt-lookup 3 --num-draft auto --show
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
 import sys
+from pathlib import Path
 
 # Before anything imports mlx: on Linux it loads an optimized BLAS, which MLX uses only if first.
 import blas  # noqa: F401  # isort: skip
@@ -23,6 +27,12 @@ from cli import (
     resolve_model,
 )
 
+# What check_memory proposes when the models do not fit: convert.py -q's default.
+FOUR_BIT = {"group_size": 64, "bits": 4, "mode": "affine"}
+CPU_QUANTIZED_NOTE = (
+    "note: on the CPU (Linux), MLX's quantized matrix products are slower than float32 "
+    "ones on OpenBLAS; for speed here, convert with --dtype float32 and no -q"
+)
 # Accepted draft tokens, with --show-draft on a terminal.
 DRAFT_COLOUR, RESET = "\033[32m", "\033[0m"
 DEFAULT_PROMPT = (
@@ -79,6 +89,10 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def format_bytes(size: float) -> str:
+    return f"{size / 1e9:.3f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
+
+
 def drafting_summary(result, drafting: str, num_draft: int | str) -> str:
     """The drafting mode, the draft length and, with prompt lookup, how often it drafted."""
     line = f"Drafting: {drafting}, "
@@ -106,10 +120,7 @@ def print_summary(result, drafting: str, num_draft: int | str) -> None:
             f"({100 * result.acceptance_rate:.1f}%)"
         )
         print(drafting_summary(result, drafting, num_draft))
-    peak = mx.get_peak_memory()
-    print(
-        f"Peak memory: {peak / 1e9:.3f} GB" if peak >= 1e8 else f"Peak memory: {peak / 1e6:.2f} MB"
-    )
+    print(f"Peak memory: {format_bytes(mx.get_peak_memory())}")
 
 
 def new_text(result, tokenizer, printed: str, num_printed: int, show_draft: bool) -> str:
@@ -126,27 +137,89 @@ def new_text(result, tokenizer, printed: str, num_printed: int, show_draft: bool
     return f"{DRAFT_COLOUR}{text[:boundary]}{RESET}{text[boundary:]}"
 
 
+def available_memory() -> int:
+    """Bytes MLX can use: the recommended working set on Apple silicon, else
+    the physical memory."""
+    import mlx.core as mx
+
+    info = mx.device_info()
+    if "max_recommended_working_set_size" in info:
+        return info["max_recommended_working_set_size"]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
+    """An estimate of what a converted model needs besides its weights: the
+    decoder's self- and cross-attention caches and the encoder's activations
+    for a prompt of ``prompt_tokens``."""
+    from decoder import MAX_AUTO_DRAFT
+    from model import KVCache, load_config
+
+    args = load_config(path)
+    config = json.loads((path / "config.json").read_text())
+    value_bytes = 2 if config.get("dtype", "float32") in ("bfloat16", "float16") else 4
+    inner = args.num_heads * args.d_kv
+    decoded = KVCache.step * math.ceil((max_tokens + MAX_AUTO_DRAFT + 1) / KVCache.step)
+    cache = 2 * args.num_decoder_layers * (prompt_tokens + decoded) * inner
+    activations = prompt_tokens * (2 * args.d_ff + 4 * inner + args.num_heads * prompt_tokens)
+    return (cache + activations) * value_bytes
+
+
+def check_memory(model_name: str, paths: list[Path], prompt_tokens: int, max_tokens: int) -> None:
+    """Raise ``MemoryError``, saying what would fit, when the models at
+    ``paths`` (the main model's directory, then the draft's, if any) would not
+    fit in memory together."""
+    import mlx.core as mx
+
+    from model import load_config, parameter_bytes
+
+    weights = [(path / "weights.npz").stat().st_size for path in paths]
+    runtime = [runtime_bytes(path, prompt_tokens, max_tokens) for path in paths]
+    needed, available = sum(weights) + sum(runtime), available_memory()
+    if needed <= available:
+        return
+    message = (
+        f"{' and '.join(map(str, paths))} need about {format_bytes(needed)}, "
+        f"more than the {format_bytes(available)} this machine has for MLX"
+    )
+    main_args = load_config(paths[0])
+    if main_args.quantization is None:
+        four_bit = parameter_bytes(main_args, mx.bfloat16, FOUR_BIT)
+        message += f"; with 4-bit weights the main model needs {format_bytes(four_bit)}"
+        if needed - weights[0] + four_bit <= available:
+            source = "<its checkpoint>" if Path(model_name).is_dir() else model_name
+            message += f", which fits: python convert.py --model {source} -q"
+        else:
+            message += ", still too much"
+    elif len(paths) > 1 and weights[0] + runtime[0] <= available:
+        message += "; the main model alone fits: --draft-model-name none --prompt-lookup 3"
+    raise MemoryError(message)
+
+
 def run(args: argparse.Namespace) -> None:
     prompt = read_prompt(args.prompt)
     # mlx, transformers and the models load only once the arguments are known good.
+    import mlx.core as mx
+
     from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
     from model import load_model
 
-    model_path = resolve_model(args.model_name)
-    draft_model = None
-    use_draft_model = not args.regular_decode and args.draft_model_name != "none"
-    if use_draft_model:
-        draft_path = resolve_model(args.draft_model_name)
-        check_draft_directories(model_path, draft_path)
-    print(f"Loading {model_path}", flush=True)
-    model = load_model(model_path)
-    if use_draft_model:
-        print(f"Loading draft {draft_path}", flush=True)
-        draft_model = load_model(draft_path)
+    paths = [resolve_model(args.model_name)]
+    if not args.regular_decode and args.draft_model_name != "none":
+        paths.append(resolve_model(args.draft_model_name))
+        check_draft_directories(*paths)
+    tokenizer = load_tokenizer(paths[0])
+    check_memory(args.model_name, paths, len(tokenizer(prompt).input_ids), args.max_tokens)
+    models = []
+    for path, role in zip(paths, ("", "draft ")):
+        print(f"Loading {role}{path}", flush=True)
+        models.append(load_model(path))
+    if any(model.args.quantization for model in models) and mx.default_device() == mx.cpu:
+        print(CPU_QUANTIZED_NOTE, file=sys.stderr)
     decoder = SpeculativeDecoder(
-        model,
-        draft_model,
-        load_tokenizer(model_path),
+        models[0],
+        models[1] if len(models) > 1 else None,
+        tokenizer,
         args.num_draft,
         args.delta,
         0 if args.regular_decode else args.prompt_lookup,
@@ -183,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         run(args)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, MemoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

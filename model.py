@@ -19,6 +19,7 @@ from pathlib import Path
 import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 from mlx import nn
+from mlx.utils import tree_flatten
 
 
 @dataclass
@@ -383,6 +384,17 @@ def quantize(model: T5, quantization: dict, layers: set[str]) -> None:
     """Replace the layers at ``layers`` paths by their quantized forms, with
     ``quantization`` = {"group_size", "bits", "mode"}, in place."""
     nn.quantize(model, **quantization, class_predicate=lambda path, _: path in layers)
+
+
+def parameter_bytes(args: ModelArgs, dtype: mx.Dtype, quantization: dict | None = None) -> int:
+    """Bytes of the parameters of a T5 with ``args`` in ``dtype``, quantized
+    as convert.py would quantize them; from the shapes alone (MLX is lazy,
+    so the model built here is never computed)."""
+    model = T5(args)
+    model.set_dtype(dtype)
+    if quantization:
+        quantize(model, quantization, quantizable_layers(model, quantization["group_size"])[0])
+    return sum(parameter.nbytes for _, parameter in tree_flatten(model.parameters()))
 
 
 def load_config(path: str | Path) -> ModelArgs:

@@ -407,3 +407,67 @@ def test_bad_model_directories_give_one_line_error(role, damage, mentioned, mode
         # An incompatible draft is found before any weights are loaded.
         assert str(main_dir) in message
         assert "Loading" not in result.stdout
+
+
+# --- memory ----------------------------------------------------------------------
+
+
+def needed_bytes(models) -> int:
+    """What main.py reckons the pair needs for GENERATE."""
+    prompt_tokens = len(load_tokenizer(models[0])(PROMPT).input_ids)
+    return sum(
+        (path / "weights.npz").stat().st_size
+        + main_module.runtime_bytes(path, prompt_tokens, MAX_TOKENS)
+        for path in models
+    )
+
+
+@pytest.mark.parametrize(
+    ("short_by", "advice"),
+    [
+        # Just too little: 4-bit weights for the main model would fit.
+        (1, "which fits: python convert.py --model"),
+        # Far too little: not even 4-bit weights fit.
+        (0.99, "still too much"),
+    ],
+    ids=["4-bit-fits", "nothing-fits"],
+)
+def test_models_that_do_not_fit_are_refused_before_loading(
+    short_by, advice, models, monkeypatch, capsys
+):
+    needed = needed_bytes(models)
+    available = needed - short_by if short_by >= 1 else needed * (1 - short_by)
+    monkeypatch.setattr(main_module, "available_memory", lambda: int(available))
+    assert main_module.main([*model_args(models), *GENERATE]) == 1
+    captured = capsys.readouterr()
+    assert "Loading" not in captured.out
+    (line,) = captured.err.splitlines()
+    assert line.startswith("error: ") and "more than the" in line and advice in line
+
+
+def test_models_that_fit_run(models, greedy_reference, monkeypatch, capsys):
+    monkeypatch.setattr(main_module, "available_memory", lambda: needed_bytes(models))
+    assert main_module.main([*model_args(models), *GENERATE]) == 0
+    assert generated_text(capsys.readouterr().out) == greedy_reference.text
+
+
+def test_quantized_model_on_the_cpu_gets_a_note(hf_pair, models, tmp_path):
+    quantized = convert.convert(
+        str(hf_pair[0]),
+        tmp_path / "main-4bit",
+        "float32",
+        convert.quantization_settings(4, 32, "affine"),
+    )
+    decoder = SpeculativeDecoder(load_model(quantized), None, load_tokenizer(quantized))
+    expected = decoder.generate(PROMPT, max_tokens=MAX_TOKENS).text
+    result = run_main(
+        "--model-name",
+        str(quantized),
+        "--draft-model-name",
+        str(models[1]),
+        *GENERATE,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert generated_text(result.stdout) == expected
+    assert result.stderr.splitlines() == [main_module.CPU_QUANTIZED_NOTE]

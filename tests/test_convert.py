@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 import convert
 from decoder import load_tokenizer
-from model import ModelArgs, load_model
+from model import ModelArgs, load_config, load_model, parameter_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERT_PY = ROOT / "convert.py"
@@ -520,3 +520,22 @@ def test_checkpoint_missing_a_tensor_is_refused(tmp_path, hf_checkpoint):
     assert run.returncode != 0
     assert "does not match its config.json" in assert_one_line_error(run.stderr)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["relu_tied", "gated_untied"])
+@pytest.mark.parametrize(
+    ("dtype", "quantization"),
+    [("float32", None), ("bfloat16", None), ("bfloat16", (8, 32)), ("float32", (4, 32))],
+    ids=["float32", "bfloat16", "8-bit", "4-bit"],
+)
+def test_parameter_bytes_match_the_converted_files(
+    name, dtype, quantization, tmp_path, hf_checkpoint
+):
+    """The README's memory table and main.py's memory check compute sizes
+    with parameter_bytes: they are those of the files convert.py writes."""
+    settings = quantization and convert.quantization_settings(*quantization, "affine")
+    out = convert.convert(str(hf_checkpoint(name)), tmp_path / "out", dtype, settings)
+    stored = sum(array.nbytes for array in mx.load(str(out / "weights.npz")).values())
+    assert stored == parameter_bytes(load_config(out), getattr(mx, dtype), settings)
+    file_size = (out / "weights.npz").stat().st_size
+    assert stored < file_size < stored + 200 * 1024  # the npz adds its headers
