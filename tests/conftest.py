@@ -19,6 +19,8 @@ from fixtures import build_checkpoint, train_tokenizer
 
 import convert
 
+WIDTH_64 = {"d_model": 64, "d_ff": 128, "num_heads": 4, "d_kv": 16}
+
 # Each architecture the converter and the model must handle.
 CHECKPOINTS = {
     # Original T5: ReLU, tied embeddings, decoder output scaled by d_model**-0.5.
@@ -32,6 +34,11 @@ CHECKPOINTS = {
     "overflowing": {"feed_forward_proj": "relu", "tied": True, "seed": 5},
     # The main model of the decoding tests.
     "main": {"feed_forward_proj": "gated-gelu", "tied": False, "seed": 4},
+    # d_model 64: quantization groups of 32 and of 64 both divide every input width.
+    "relu_tied_64": {"feed_forward_proj": "relu", "tied": True, **WIDTH_64, "seed": 6},
+    "gated_untied_64": {"feed_forward_proj": "gated-gelu", "tied": False, **WIDTH_64, "seed": 7},
+    # d_ff 96: with groups of 64 the feed-forward output projections stay float.
+    "narrow_ff": {"feed_forward_proj": "relu", "tied": True, **WIDTH_64, "d_ff": 96, "seed": 8},
 }
 
 
@@ -126,3 +133,28 @@ def decoding_pair(converted_pair):
 
     main_dir, draft_dir = converted_pair
     return load_model(main_dir), load_model(draft_dir), load_tokenizer(main_dir)
+
+
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory, hf_checkpoint, hf_pair):
+    """``quantized(name, bits, group_size, mode, dtype)``: a CHECKPOINTS entry, or
+    ``"draft"`` (the draft of ``hf_pair``), run through convert.py with quantization."""
+    done = {}
+
+    def run(
+        name: str,
+        bits: int = 4,
+        group_size: int = 64,
+        mode: str = "affine",
+        dtype: str = "float32",
+    ) -> Path:
+        key = name, bits, group_size, mode, dtype
+        if key not in done:
+            source = hf_pair[1] if name == "draft" else hf_checkpoint(name)
+            quantization = convert.quantization_settings(bits, group_size, mode)
+            out = tmp_path_factory.mktemp("mlx") / "-".join(map(str, key))
+            convert.convert(str(source), out, dtype, quantization)
+            done[key] = out
+        return done[key]
+
+    return run

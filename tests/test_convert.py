@@ -381,14 +381,41 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     return {file.name: file.read_bytes() for file in sorted(directory.iterdir())}
 
 
-def test_interrupted_conversion_leaves_nothing(tmp_path, hf_checkpoint, monkeypatch):
+def interrupt_writing(monkeypatch) -> str:
+    """Ctrl-C while weights.npz is written; returns the function interrupted."""
+    monkeypatch.setattr(convert.mx, "savez", failing_savez(KeyboardInterrupt()))
+    return "savez"
+
+
+def interrupt_converting(monkeypatch) -> str:
+    """Ctrl-C at the third tensor cast (or quantized), before anything is written."""
+    real_eval, calls = mx.eval, []
+
+    def eval_(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_eval(*args)
+
+    monkeypatch.setattr(convert.mx, "eval", eval_)
+    return "convert_tensors"
+
+
+@pytest.mark.parametrize("interrupt", [interrupt_writing, interrupt_converting])
+@pytest.mark.parametrize(
+    "quantization", [None, {"group_size": 32, "bits": 4, "mode": "affine"}], ids=["float", "4-bit"]
+)
+def test_interrupted_conversion_leaves_nothing(
+    interrupt, quantization, tmp_path, hf_checkpoint, monkeypatch
+):
     parent = tmp_path / "mlx_models"
     out = parent / "tiny"
-    monkeypatch.setattr(convert.mx, "savez", failing_savez(KeyboardInterrupt()))
-    with pytest.raises(KeyboardInterrupt):
-        convert.convert(str(hf_checkpoint("relu_tied")), out, "float32")
+    interrupted = interrupt(monkeypatch)
+    with pytest.raises(KeyboardInterrupt) as error:
+        convert.convert(str(hf_checkpoint("relu_tied")), out, "float32", quantization)
+    assert interrupted in [entry.name for entry in error.traceback]
     assert not out.exists()
-    assert leftovers(parent, out) == []
+    assert not parent.exists() or leftovers(parent, out) == []
 
 
 def test_failed_conversion_keeps_the_previous_one(tmp_path, hf_checkpoint, monkeypatch, capsys):
