@@ -275,12 +275,12 @@ def convert_tensors(
         tensor = tensors.pop(name).astype(DTYPES[dtype])
         layer = name.removesuffix(".weight")
         if layer in layers:
+            # Quantized layers hold weight, scales and (affine only) biases.
             packed = mx.quantize(tensor, **quantization)
-            parts = dict(zip(("weight", "scales", "biases"), packed))
+            converted = dict(zip((f"{layer}.weight", f"{layer}.scales", f"{layer}.biases"), packed))
         else:
-            parts = {name.rsplit(".", 1)[1]: tensor}
+            converted = {name: tensor}
         del tensor
-        converted = {f"{name.rsplit('.', 1)[0]}.{part}": array for part, array in parts.items()}
         mx.eval(converted)
         weights.update(converted)
         if time.monotonic() - last_report > 5:
