@@ -12,7 +12,8 @@ precision:
 - the bytes of weights, and those a main-model decoder step reads, over float32's;
 - top-1 agreement with the float32 main model, teacher-forced on the float32
   main model's greedy outputs;
-- for every prompt, interleaved across precisions: regular and speculative
+- for every prompt, interleaved across precisions: prompt processing
+  tokens/s (both encoders), regular and speculative
   decoding (``--num-draft`` tokens drafted by the draft of the same
   precision), their generation tokens/s, the acceptance rate of tested draft
   tokens, and whether the speculative tokens equal the regular ones (the
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     reference = decoders["float32"]
     prompt_ids = [mx.array([reference.tokenizer(prompt).input_ids]) for prompt in prompts]
     outputs = [reference.generate(p, max_tokens=args.max_tokens).tokens for p in prompts]
-    counts = ("regular", "speculative", "tokens", "accepted", "tested", "identical")
+    counts = ("prompt", "prompt_tokens", "regular", "speculative", "tokens")
+    counts += ("accepted", "tested", "identical")
     totals = {precision: dict.fromkeys(counts, 0) for precision in precisions}
     for number, prompt in enumerate(prompts, 1):
         print(f"prompt {number}/{len(prompts)}", flush=True)
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             regular = decoder.generate(prompt, max_tokens=args.max_tokens)
             speculative = decoder.speculative_decode(prompt, max_tokens=args.max_tokens)
             total = totals[precision]
+            total["prompt"] += regular.prompt_time
+            total["prompt_tokens"] += regular.prompt_tokens
             total["regular"] += regular.generation_time
             total["speculative"] += speculative.generation_time
             total["tokens"] += len(regular.tokens)
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 "top1_agreement": top1_agreement(
                     decoder.model, reference.model, prompt_ids, outputs
                 ),
+                "prompt_tokens_per_s": total["prompt_tokens"] / total["prompt"],
                 "regular_tokens_per_s": total["tokens"] / total["regular"],
                 "speculative_tokens_per_s": total["tokens"] / total["speculative"],
                 "speedup": total["regular"] / total["speculative"],
@@ -140,14 +145,16 @@ def main(argv: list[str] | None = None) -> int:
                 "identical": f"{total['identical']}/{len(prompts)}",
             }
         )
-    columns = ["precision", "bytes", "step bytes", "top-1 agreement", "regular tok/s"]
+    columns = ["precision", "bytes", "step bytes", "top-1 agreement", "prompt tok/s"]
+    columns += ["regular tok/s"]
     columns += ["speculative tok/s", "speedup", "alpha", "speculative = own greedy"]
     print("| " + " | ".join(columns) + " |")
     print("|" + " --- |" * len(columns))
     for row in rows:
         print(
             f"| {row['precision']} | {row['bytes']:.3f}x | {row['step_bytes']:.3f}x "
-            f"| {row['top1_agreement']:.3f} | {row['regular_tokens_per_s']:.1f} "
+            f"| {row['top1_agreement']:.3f} | {row['prompt_tokens_per_s']:.0f} "
+            f"| {row['regular_tokens_per_s']:.1f} "
             f"| {row['speculative_tokens_per_s']:.1f} | {row['speedup']:.2f}x "
             f"| {row['alpha']:.3f} | {row['identical']} |"
         )
