@@ -30,8 +30,9 @@ from cli import (
 # What check_memory proposes when the models do not fit: convert.py -q's default.
 FOUR_BIT = {"group_size": 64, "bits": 4, "mode": "affine"}
 CPU_QUANTIZED_NOTE = (
-    "note: on the CPU (Linux), MLX's quantized matrix products are slower than float32 "
-    "ones on OpenBLAS; for speed here, convert with --dtype float32 and no -q"
+    "note: on the CPU, MLX's quantized matrix products slow down with every row, so prompt "
+    "processing and speculative verify passes are many times slower than in float32; "
+    "for speed here, convert with --dtype float32 and no -q (see README, Linux)"
 )
 # Accepted draft tokens, with --show-draft on a terminal.
 DRAFT_COLOUR, RESET = "\033[32m", "\033[0m"
