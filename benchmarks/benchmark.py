@@ -45,6 +45,7 @@ import csv
 import io
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -465,50 +466,49 @@ def write_outputs(rows: list[Row], extra: dict, output: Path) -> list[Path]:
 def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
     """Greedy and assisted generation in transformers on the original
     checkpoints, on the same prompts, timed the same way (prompt processing
-    included); assisted generation and ours draft ``num_draft`` tokens per
-    round. Prompt processing apart: tokenizing and the encoder pass in
-    transformers, and ours, which also computes the cross-attention keys and
-    values (transformers does that in its first decoder step)."""
-    import torch
-    from transformers import AutoTokenizer, T5ForConditionalGeneration
-    from transformers.utils import logging as hf_logging
-
-    # Assisted generation warns about its own internal generate() call.
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    included), prompt by prompt in turn with ours; assisted generation and
+    ours draft ``num_draft`` tokens per round. transformers runs in a process
+    of its own (``transformers_worker.py``): in this one, the OpenBLAS loaded
+    for MLX would slow torch down. Prompt processing apart: tokenizing and the
+    encoder pass in transformers, and ours, which also computes the
+    cross-attention keys and values (transformers does that in its first
+    decoder step)."""
     # The same number of threads for both: MLX's matrix products run on the BLAS's.
-    threads = args.hf_threads or blas.num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(str(args.hf_model))
-    main = T5ForConditionalGeneration.from_pretrained(str(args.hf_model)).eval()
-    draft = T5ForConditionalGeneration.from_pretrained(str(args.hf_draft)).eval()
-    draft.generation_config.num_assistant_tokens = num_draft
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    options = {"max_new_tokens": args.max_tokens, "do_sample": False, "num_beams": 1}
+    threads = args.hf_threads or blas.num_threads() or 0  # 0: torch's default
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("transformers_worker.py")),
+            *map(str, (args.hf_model, args.hf_draft, threads, num_draft, args.max_tokens)),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def answer() -> dict:
+        line = worker.stdout.readline()
+        if not line:
+            raise RuntimeError("the transformers worker ended early (its error is above)")
+        return json.loads(line)
+
     times = {"greedy": 0.0, "assisted": 0.0, "ours_regular": 0.0, "ours_speculative": 0.0}
     tokens = dict.fromkeys(times, 0)
     prompt_times = {"transformers": 0.0, "ours": 0.0}
     prompt_tokens = 0
     matches = 0
     decoder.num_draft, decoder.delta = num_draft, 0.0
-    with torch.no_grad():
-        main.generate(**tokenizer(prompts[0], return_tensors="pt"), **options)  # warm-up
+    try:
+        torch_threads = answer()["torch_threads"]  # loaded and warmed up
         for prompt in prompts:
-            start = time.perf_counter()
-            inputs = tokenizer(prompt, return_tensors="pt")
-            main.get_encoder()(**inputs)
-            prompt_times["transformers"] += time.perf_counter() - start
-            prompt_tokens += inputs.input_ids.shape[1]
-            for name, extra in (("greedy", {}), ("assisted", {"assistant_model": draft})):
-                start = time.perf_counter()
-                output = main.generate(**inputs, **options, **extra)[0, 1:].tolist()
-                times[name] += time.perf_counter() - start
-                eos = main.config.eos_token_id
-                output = output[: output.index(eos)] if eos in output else output
-                tokens[name] += len(output)
-                if name == "greedy":
-                    greedy = output
+            worker.stdin.write(json.dumps(prompt) + "\n")
+            worker.stdin.flush()
+            timed = answer()
+            prompt_times["transformers"] += timed["prompt_time"]
+            prompt_tokens += timed["prompt_tokens"]
+            for name in ("greedy", "assisted"):
+                times[name] += timed[f"{name}_time"]
+                tokens[name] += len(timed[f"{name}_tokens"])
             for name, run in (
                 ("ours_regular", decoder.generate),
                 ("ours_speculative", decoder.speculative_decode),
@@ -518,7 +518,10 @@ def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
                 tokens[name] += len(result.tokens)
                 if name == "ours_regular":
                     prompt_times["ours"] += result.prompt_time
-            matches += result.tokens == greedy
+            matches += result.tokens == timed["greedy_tokens"]
+    finally:
+        worker.stdin.close()
+        worker.wait()
     speeds = {name: tokens[name] / times[name] for name in times}
     prompt_speeds = {name: prompt_tokens / seconds for name, seconds in prompt_times.items()}
     return {
@@ -526,7 +529,7 @@ def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
         "prompt_tokens_per_s": prompt_speeds,
         "prompt_vs_transformers": prompt_speeds["ours"] / prompt_speeds["transformers"],
         "num_draft": num_draft,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch_threads,
         "regular_vs_transformers_greedy": speeds["ours_regular"] / speeds["greedy"],
         "speculative_vs_transformers_assisted": speeds["ours_speculative"] / speeds["assisted"],
         "greedy_tokens_match": f"{matches}/{len(prompts)}",
