@@ -24,8 +24,11 @@ Reported per mode and delta:
 - for the draft model with a fixed g, the speedup the paper predicts from
   alpha and c, (1 - alpha^(g+1)) / ((1 - alpha)(g c + 1)); the verify-aware
   prediction, with the measured cost v(g+1) of a main pass over g + 1 tokens
-  (in one-token passes) in place of the paper's 1; and the loop's
-  efficiency, measured / verify-aware prediction;
+  (in one-token passes) in place of the paper's 1; the loop's efficiency,
+  measured / verify-aware prediction; and the per-pass efficiency, measured
+  / (tokens per pass / (g c + v(g+1))), which takes the tokens per pass as
+  measured instead of from alpha (acceptance is not independent from token
+  to token), so it shows what the rounds cost against what c and v predict;
 - the share of the bandwidth bound reached: tokens/s over the single-token
   steps per second that the machine's memory bandwidth allows the main model.
 
@@ -115,6 +118,7 @@ class Row:
     verify_cost: float | None  # v(g + 1)
     verify_aware_speedup: float | None
     loop_efficiency: float | None  # measured / verify-aware prediction
+    pass_efficiency: float | None  # measured / (tokens per pass / (g c + v(g + 1)))
     identical: bool | None  # temperature 0 only
 
 
@@ -344,6 +348,11 @@ def make_row(temp, mode: Mode, totals: dict, regular_speed, costs: Costs, identi
             verify_cost = costs.verify_costs[mode.num_draft]
             verify_aware = predicted_speedup(alpha, mode.num_draft, costs.cost_ratio, verify_cost)
     speedup = speed / regular_speed
+    tokens_per_pass = totals["tokens"] / totals["passes"]
+    pass_efficiency = None
+    if verify_cost is not None:
+        round_cost = mode.num_draft * costs.cost_ratio + verify_cost
+        pass_efficiency = speedup * round_cost / tokens_per_pass
     return Row(
         temp=temp,
         delta=mode.delta,
@@ -354,7 +363,7 @@ def make_row(temp, mode: Mode, totals: dict, regular_speed, costs: Costs, identi
         speedup=speedup,
         bound_share=speed / costs.bound,
         alpha=alpha,
-        tokens_per_pass=totals["tokens"] / totals["passes"],
+        tokens_per_pass=tokens_per_pass,
         mean_draft=totals["proposed"] / totals["rounds"] if totals["rounds"] else 0.0,
         lookup_rounds=totals["lookup"] / totals["passes"],
         cost_ratio=costs.cost_ratio,
@@ -363,6 +372,7 @@ def make_row(temp, mode: Mode, totals: dict, regular_speed, costs: Costs, identi
         verify_cost=verify_cost,
         verify_aware_speedup=verify_aware,
         loop_efficiency=speedup / verify_aware if verify_aware else None,
+        pass_efficiency=pass_efficiency,
         identical=identical if temp == 0 else None,
     )
 
@@ -386,6 +396,7 @@ COLUMNS = [
     ("verify_cost", "v(g+1)", "{:.2f}"),
     ("verify_aware_speedup", "verify-aware", "{:.2f}x"),
     ("loop_efficiency", "loop eff.", "{:.2f}"),
+    ("pass_efficiency", "per pass", "{:.2f}"),
     ("identical", "= regular", "{}"),
 ]
 
