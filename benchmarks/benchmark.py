@@ -467,8 +467,12 @@ def write_outputs(rows: list[Row], extra: dict, output: Path) -> list[Path]:
                 )
         axis.axhline(1.0, color="gray", linewidth=0.8)
         axis.set(title=f"temperature {temp:g}", xlabel="num_draft", ylabel="speedup")
-        axis.legend()
-    figure.tight_layout()
+    # One legend for all panels, below them, so that it hides no data.
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    legend_height = 0.22 * -(-len(labels) // 3)  # inches: three entries a row
+    figure.set_figheight(4 + legend_height)
+    figure.legend(handles, labels, loc="lower center", ncol=3, fontsize="small", frameon=False)
+    figure.tight_layout(rect=(0, (legend_height + 0.1) / (4 + legend_height), 1, 1))
     written.append(output.with_suffix(".png"))
     write_whole(written[-1], lambda file: figure.savefig(file, format="png", dpi=120))
     return written
