@@ -140,8 +140,8 @@ def verify(
 
 # The most draft tokens "auto" proposes per round.
 MAX_AUTO_DRAFT = 16
-# Before a generation's first tested draft token, "auto" assumes this
-# acceptance rate, weighted as this many tested tokens.
+# Before a generation's first tested draft token at a given position, "auto"
+# assumes this acceptance rate there, weighted as this many tested tokens.
 PRIOR_ACCEPTANCE = 0.75
 PRIOR_WEIGHT = 4
 
@@ -155,15 +155,19 @@ def expected_tokens_per_round(alpha: float, num_draft: int) -> float:
     return (1 - alpha ** (num_draft + 1)) / (1 - alpha)
 
 
-def best_num_draft(alpha: float, draft_cost: float, verify_costs: list[float]) -> int:
+def best_num_draft(acceptance: list[float], draft_cost: float, verify_costs: list[float]) -> int:
     """The g in 1 .. len(verify_costs) - 1 with the most expected tokens per
-    unit of time, where a round of g draft tokens costs ``g * draft_cost +
-    verify_costs[g]``: g draft steps and a main pass over g + 1 tokens, both
-    relative to a main pass over one token (``verify_costs[0] == 1``). With
-    every verify cost 1 this is the paper's formula for the best g."""
+    unit of time. ``acceptance[i]`` is the probability that draft token i + 1
+    is accepted once the tokens before it were, so a round of g yields
+    ``1 + a_1 + a_1 a_2 + ... + a_1 ... a_g`` tokens (eq. 1 when every a_i is
+    the same alpha); it costs ``g * draft_cost + verify_costs[g]``: g draft
+    steps and a main pass over g + 1 tokens, both relative to a main pass
+    over one token (``verify_costs[0] == 1``)."""
+    reach = np.cumprod(acceptance[: len(verify_costs) - 1])  # a_1 ... a_i
+    tokens = 1 + np.cumsum(reach)  # index g - 1: the tokens a round of g yields
     return max(
         range(1, len(verify_costs)),
-        key=lambda g: expected_tokens_per_round(alpha, g) / (g * draft_cost + verify_costs[g]),
+        key=lambda g: tokens[g - 1] / (g * draft_cost + verify_costs[g]),
     )
 
 
@@ -284,8 +288,11 @@ class HybridDrafter:
 
 class DraftLength:
     """Draft tokens per round: a fixed number, or for ``"auto"`` the g that
-    ``best_num_draft`` picks from this generation's acceptance rate so far
-    (kept apart for each draft source) and measured costs."""
+    ``best_num_draft`` picks from measured costs and this generation's
+    acceptance so far, kept apart for each draft source and each position in
+    the draft: acceptance is not independent from token to token (a draft
+    that got past its first tokens tends to go on agreeing), so one rate for
+    all positions misjudges long drafts."""
 
     def __init__(
         self, num_draft: int | str, draft_costs: dict[str, float], verify_costs: list[float]
@@ -293,18 +300,22 @@ class DraftLength:
         self.num_draft = num_draft
         self.draft_costs, self.verify_costs = draft_costs, verify_costs
         sources = ("model", "lookup")
-        self.accepted = dict.fromkeys(sources, PRIOR_ACCEPTANCE * PRIOR_WEIGHT)
-        self.tested = dict.fromkeys(sources, float(PRIOR_WEIGHT))
+        self.accepted = {
+            s: np.full(MAX_AUTO_DRAFT, PRIOR_ACCEPTANCE * PRIOR_WEIGHT) for s in sources
+        }
+        self.tested = {s: np.full(MAX_AUTO_DRAFT, float(PRIOR_WEIGHT)) for s in sources}
 
     def choose(self, source: str) -> int:
         if self.num_draft != "auto":
             return self.num_draft
-        alpha = self.accepted[source] / self.tested[source]
-        return best_num_draft(alpha, self.draft_costs[source], self.verify_costs)
+        acceptance = self.accepted[source] / self.tested[source]
+        return best_num_draft(acceptance, self.draft_costs[source], self.verify_costs)
 
     def update(self, source: str, num_accepted: int, num_tested: int) -> None:
-        self.accepted[source] += num_accepted
-        self.tested[source] += num_tested
+        """A round tested the first ``num_tested`` draft tokens and accepted
+        the first ``num_accepted`` of them."""
+        self.tested[source][:num_tested] += 1
+        self.accepted[source][:num_accepted] += 1
 
 
 @dataclass

@@ -116,6 +116,58 @@ class RelativePositionBias(nn.Module):
         return self.embeddings(buckets).transpose(2, 0, 1)[None]
 
 
+class Linear(nn.Linear):
+    """``x W^T`` without bias. A projection to fewer features than it reads
+    (the output projections, ``wo``) is computed as ``(W x^T)^T``: the same
+    numbers, but with a few rows of ``x`` OpenBLAS then streams ``W`` instead
+    of first copying all of it, 1.6-2x faster for those products on a CPU."""
+
+    def __init__(self, input_dims: int, output_dims: int):
+        super().__init__(input_dims, output_dims, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        output_dims, input_dims = self.weight.shape
+        if output_dims < input_dims:
+            return (self.weight @ x.swapaxes(-1, -2)).swapaxes(-1, -2)
+        return x @ self.weight.T
+
+
+LOG2_E = math.log2(math.e)
+# ln 2 split in two, so n * LN2_HIGH is exact for the n that occur.
+LN2_HIGH, LN2_LOW = 0.693145751953125, 1.428606765330187e-06
+# 1/k! for k = 7 .. 1: e^r's Taylor polynomial, highest term first.
+TAYLOR = tuple(1 / math.factorial(k) for k in range(7, 0, -1))
+
+
+@mx.compile
+def softmax_cpu(scores: mx.array) -> mx.array:
+    """Softmax over the last axis of float32 ``scores``, with exp computed as
+    2^n e^r (n an integer, |r| <= ln(2)/2, e^r by its Taylor polynomial,
+    relative error ~1e-6). MLX's own exp is a scalar loop on the CPU (about
+    13 ns per value here): a 400-token encoder spent 40% of its time in it.
+    Scores 87 or more below the row's largest (masked ones: -inf) get weight
+    e^-87 ~ 1e-38 instead of 0, which no float32 sum can tell apart."""
+    x = mx.maximum(scores - scores.max(axis=-1, keepdims=True), -87.0)
+    n = mx.floor(x * LOG2_E + 0.5)
+    r = x - n * LN2_HIGH - n * LN2_LOW
+    taylor = TAYLOR[0]
+    for coefficient in TAYLOR[1:]:
+        taylor = taylor * r + coefficient
+    taylor = taylor * r + 1.0
+    two_to_n = ((n.astype(mx.int32) + 127) << 23).view(mx.float32)  # the float32 bits of 2^n
+    exp = taylor * two_to_n
+    return exp / exp.sum(axis=-1, keepdims=True)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
+    """``softmax(q k^T + mask) v`` for each head; T5 has no 1/sqrt(d) scaling."""
+    if mx.default_device() == mx.gpu:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=mask)
+    # On the CPU that call computes these same steps, with the slow exp.
+    scores = (queries @ keys.swapaxes(-1, -2) + mask).astype(mx.float32)
+    return softmax_cpu(scores).astype(values.dtype) @ values
+
+
 class Attention(nn.Module):
     """Multi-head attention without score scaling; T5 folds it into the weights."""
 
@@ -123,10 +175,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = args.num_heads
         inner_dim = args.num_heads * args.d_kv
-        self.query_proj = nn.Linear(args.d_model, inner_dim, bias=False)
-        self.key_proj = nn.Linear(args.d_model, inner_dim, bias=False)
-        self.value_proj = nn.Linear(args.d_model, inner_dim, bias=False)
-        self.out_proj = nn.Linear(inner_dim, args.d_model, bias=False)
+        self.query_proj = Linear(args.d_model, inner_dim)
+        self.key_proj = Linear(args.d_model, inner_dim)
+        self.value_proj = Linear(args.d_model, inner_dim)
+        self.out_proj = Linear(inner_dim, args.d_model)
 
     def split_heads(self, x: mx.array) -> mx.array:
         batch, length, _ = x.shape
@@ -138,7 +190,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
         queries = self.split_heads(self.query_proj(x))
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=mask)
+        out = attention(queries, keys, values, mask)
         batch, _, length, _ = out.shape
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
@@ -156,11 +208,11 @@ class FeedForward(nn.Module):
         self.activation = ACTIVATIONS[args.feed_forward_proj]
         self.gated = args.feed_forward_proj.startswith("gated-")
         if self.gated:
-            self.wi_0 = nn.Linear(args.d_model, args.d_ff, bias=False)
-            self.wi_1 = nn.Linear(args.d_model, args.d_ff, bias=False)
+            self.wi_0 = Linear(args.d_model, args.d_ff)
+            self.wi_1 = Linear(args.d_model, args.d_ff)
         else:
-            self.wi = nn.Linear(args.d_model, args.d_ff, bias=False)
-        self.wo = nn.Linear(args.d_ff, args.d_model, bias=False)
+            self.wi = Linear(args.d_model, args.d_ff)
+        self.wo = Linear(args.d_ff, args.d_model)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gated:
@@ -304,7 +356,7 @@ class T5(nn.Module):
         self.encoder = Stack(args, EncoderLayer, args.num_layers, bidirectional=True)
         self.decoder = Stack(args, DecoderLayer, args.num_decoder_layers, bidirectional=False)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.d_model, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.d_model, args.vocab_size)
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -328,7 +380,12 @@ class T5(nn.Module):
 
     def make_cache(self, memory: mx.array, mask: mx.array | None = None) -> DecoderCache:
         """A fresh decoder cache for the encoder output ``memory``."""
-        cross = [layer.cross_attn.keys_values(memory) for layer in self.decoder.layers]
+        # Read at every step: stored row-contiguous per head, so each step's
+        # products read them in place instead of copying them first.
+        cross = [
+            tuple(map(mx.contiguous, layer.cross_attn.keys_values(memory)))
+            for layer in self.decoder.layers
+        ]
         return DecoderCache(cross, padding_mask(mask, memory.dtype))
 
     def decode(self, decoder_inputs: mx.array, cache: DecoderCache) -> mx.array:

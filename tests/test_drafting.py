@@ -80,11 +80,13 @@ def test_best_num_draft():
     # alpha 0.75, c 0.1, flat verify costs: (1 - 0.75^(g+1)) / (0.25 (1 + 0.1 g))
     # is 2.179 at g = 4, 2.192 at g = 5 and 2.166 at g = 6.
     flat = [1.0] * 17
-    assert best_num_draft(0.75, 0.1, flat) == 5
+    assert best_num_draft([0.75] * 16, 0.1, flat) == 5
     # A main pass over 5 tokens 10% cheaper than one over 1: g = 4 gives 3.051 / 1.3.
-    assert best_num_draft(0.75, 0.1, [1.0] * 4 + [0.9] + [1.0] * 12) == 4
-    assert best_num_draft(0.2, 0.5, flat) == 1
-    assert best_num_draft(0.99, 0.0, flat) == 16
+    assert best_num_draft([0.75] * 16, 0.1, [1.0] * 4 + [0.9] + [1.0] * 12) == 4
+    assert best_num_draft([0.2] * 16, 0.5, flat) == 1
+    assert best_num_draft([0.99] * 16, 0.0, flat) == 16
+    # Per position: a second token never accepted is never worth drafting.
+    assert best_num_draft([0.9, 0.0] + [0.9] * 14, 0.1, flat) == 1
 
 
 def test_auto_draft_length_follows_acceptance():
@@ -96,6 +98,14 @@ def test_auto_draft_length_follows_acceptance():
     assert length.choose("model") == 1
     assert length.choose("lookup") == 16
     assert DraftLength(3, {}, []).choose("model") == 3
+
+
+def test_auto_draft_length_learns_each_position():
+    length = DraftLength("auto", {"model": 0.1, "lookup": 0.0}, [1.0] * 17)
+    for _ in range(50):
+        length.update("model", 1, 2)  # the first token accepted, the second rejected
+    # One rate for both positions, 0.5, would choose g = 2 (1.75 / 1.2 > 1.5 / 1.1).
+    assert length.choose("model") == 1
 
 
 @pytest.mark.parametrize(
