@@ -18,17 +18,22 @@ def random_ids(shape, vocab_size, seed):
     return np.random.default_rng(seed).integers(3, vocab_size, size=shape)
 
 
+# On the CPU a 150-token prompt's encoder attention takes model.softmax_cpu's
+# path (2 x 4 heads x 150 x 150 scores), a 23-token one the built-in softmax.
+@pytest.mark.parametrize("prompt_length", [23, 150])
 @pytest.mark.parametrize("name", PARITY_CONFIGS)
-def test_logits_match_transformers(name, hf_checkpoint, converted):
+def test_logits_match_transformers(name, prompt_length, hf_checkpoint, converted):
     hf_model = load_hf(hf_checkpoint(name))
     model = load_model(converted(name))
     vocab_size = model.args.vocab_size
-    inputs = random_ids((2, 23), vocab_size, seed=1)
+    encoder_scores = 2 * model.args.num_heads * prompt_length**2
+    assert (encoder_scores >= model_module.SOFTMAX_CPU_MIN_SCORES) == (prompt_length == 150)
+    inputs = random_ids((2, prompt_length), vocab_size, seed=1)
     decoder_inputs = random_ids((2, 17), vocab_size, seed=2)
     decoder_inputs[:, 0] = 0
     # The second prompt is shorter: padding must not change its logits.
     mask = np.ones_like(inputs)
-    mask[1, 15:] = 0
+    mask[1, prompt_length * 2 // 3 :] = 0
     with torch.no_grad():
         expected = hf_model(
             input_ids=torch.tensor(inputs),
