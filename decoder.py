@@ -140,6 +140,9 @@ def verify(
 
 # The most draft tokens "auto" proposes per round.
 MAX_AUTO_DRAFT = 16
+# When "auto" finds drafting not worth it, it still drafts one token every
+# this many rounds, so its estimate can notice the draft agreeing again.
+PROBE_EVERY = 8
 # Before a generation's first tested draft token at a given position, "auto"
 # assumes this acceptance rate there, weighted as this many tested tokens.
 PRIOR_ACCEPTANCE = 0.75
@@ -156,18 +159,21 @@ def expected_tokens_per_round(alpha: float, num_draft: int) -> float:
 
 
 def best_num_draft(acceptance: list[float], draft_cost: float, verify_costs: list[float]) -> int:
-    """The g in 1 .. len(verify_costs) - 1 with the most expected tokens per
+    """The g in 0 .. len(verify_costs) - 1 with the most expected tokens per
     unit of time. ``acceptance[i]`` is the probability that draft token i + 1
     is accepted once the tokens before it were, so a round of g yields
     ``1 + a_1 + a_1 a_2 + ... + a_1 ... a_g`` tokens (eq. 1 when every a_i is
     the same alpha); it costs ``g * draft_cost + verify_costs[g]``: g draft
     steps and a main pass over g + 1 tokens, both relative to a main pass
-    over one token (``verify_costs[0] == 1``)."""
+    over one token (``verify_costs[0] == 1``). g = 0 is a plain main-model
+    step, one token per pass: the choice when drafting does not pay."""
     reach = np.cumprod(acceptance[: len(verify_costs) - 1])  # a_1 ... a_i
-    tokens = 1 + np.cumsum(reach)  # index g - 1: the tokens a round of g yields
+    tokens = np.concatenate(
+        [[1.0], 1 + np.cumsum(reach)]
+    )  # index g: the tokens a round of g yields
     return max(
-        range(1, len(verify_costs)),
-        key=lambda g: tokens[g - 1] / (g * draft_cost + verify_costs[g]),
+        range(len(verify_costs)),
+        key=lambda g: tokens[g] / (g * draft_cost + verify_costs[g]),
     )
 
 
@@ -210,12 +216,15 @@ class ModelDrafter:
 
     def propose(
         self, sequence: list[int], sampling: Sampling, budget: Callable[[str], int]
-    ) -> Draft:
-        """``budget("model")`` tokens, without waiting for them; the last one
-        is not fed back."""
+    ) -> Draft | None:
+        """``budget("model")`` tokens, without waiting for them (the last one
+        is not fed back); None for a budget of 0."""
+        num_draft = budget(self.source)
+        if num_draft == 0:
+            return None
         inputs = mx.array([_catch_up(self.cache, sequence)])
         tokens, probs = [], []
-        for _ in range(budget(self.source)):
+        for _ in range(num_draft):
             logits = self.model.decode(inputs, self.cache)[0, -1]
             token, token_probs = sampling.sample(logits)
             # Start computing this token while Python builds the next step's
@@ -258,14 +267,16 @@ class PromptLookupDrafter:
     def propose(
         self, sequence: list[int], sampling: Sampling, budget: Callable[[str], int]
     ) -> Draft | None:
-        """Up to ``budget("lookup")`` tokens, or None when no n-gram matches."""
+        """Up to ``budget("lookup")`` tokens; None when no n-gram matches or
+        the budget is 0."""
         output = sequence[1:]  # without the start token
         if not output:
             return None
         found = find_continuation(self.prompt + output, self.max_ngram, self.min_ngram)
+        found = found[: budget(self.source)] if found else []
         if not found:
             return None
-        tokens = mx.array(found[: budget(self.source)])
+        tokens = mx.array(found)
         probs = None
         if not sampling.greedy:
             probs = (mx.arange(self.vocab_size) == tokens[:, None]).astype(mx.float32)
@@ -280,42 +291,67 @@ class HybridDrafter:
 
     def propose(
         self, sequence: list[int], sampling: Sampling, budget: Callable[[str], int]
-    ) -> Draft:
+    ) -> Draft | None:
         return self.lookup.propose(sequence, sampling, budget) or self.model.propose(
             sequence, sampling, budget
         )
 
 
+DRAFT_SOURCES = ("model", "lookup")
+
+
+def acceptance_counts() -> dict[str, np.ndarray]:
+    """For each draft source, zero [accepted, tested] counts per draft position."""
+    return {source: np.zeros((2, MAX_AUTO_DRAFT)) for source in DRAFT_SOURCES}
+
+
 class DraftLength:
     """Draft tokens per round: a fixed number, or for ``"auto"`` the g that
-    ``best_num_draft`` picks from measured costs and this generation's
-    acceptance so far, kept apart for each draft source and each position in
-    the draft: acceptance is not independent from token to token (a draft
-    that got past its first tokens tends to go on agreeing), so one rate for
-    all positions misjudges long drafts."""
+    ``best_num_draft`` picks from measured costs and the acceptance so far,
+    kept apart for each draft source and each position in the draft:
+    acceptance is not independent from token to token (a draft that got past
+    its first tokens tends to go on agreeing), so one rate for all positions
+    misjudges long drafts.
+
+    ``earlier`` holds, per source, the [accepted, tested] counts per position
+    of the decoder's earlier generations, and is updated too. This
+    generation starts from their rate (itself starting from the prior),
+    weighted as PRIOR_WEIGHT tokens, so its own rounds soon outweigh it."""
 
     def __init__(
-        self, num_draft: int | str, draft_costs: dict[str, float], verify_costs: list[float]
+        self,
+        num_draft: int | str,
+        draft_costs: dict[str, float],
+        verify_costs: list[float],
+        earlier: dict[str, np.ndarray] | None = None,
     ):
         self.num_draft = num_draft
         self.draft_costs, self.verify_costs = draft_costs, verify_costs
-        sources = ("model", "lookup")
-        self.accepted = {
-            s: np.full(MAX_AUTO_DRAFT, PRIOR_ACCEPTANCE * PRIOR_WEIGHT) for s in sources
-        }
-        self.tested = {s: np.full(MAX_AUTO_DRAFT, float(PRIOR_WEIGHT)) for s in sources}
+        self.earlier = acceptance_counts() if earlier is None else earlier
+        self.counts = {}  # per source: [accepted, tested] per position, prior included
+        for source, (accepted, tested) in self.earlier.items():
+            rate = (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tested + PRIOR_WEIGHT)
+            self.counts[source] = np.stack([rate * PRIOR_WEIGHT, np.full_like(rate, PRIOR_WEIGHT)])
+        self.undrafted = dict.fromkeys(DRAFT_SOURCES, 0)  # rounds "auto" chose not to draft
 
     def choose(self, source: str) -> int:
+        """Draft tokens for the next round from ``source``; 0: a plain step."""
         if self.num_draft != "auto":
             return self.num_draft
-        acceptance = self.accepted[source] / self.tested[source]
-        return best_num_draft(acceptance, self.draft_costs[source], self.verify_costs)
+        accepted, tested = self.counts[source]
+        num_draft = best_num_draft(accepted / tested, self.draft_costs[source], self.verify_costs)
+        if num_draft == 0:
+            self.undrafted[source] += 1
+            if self.undrafted[source] % PROBE_EVERY == 0:
+                return 1
+        return num_draft
 
     def update(self, source: str, num_accepted: int, num_tested: int) -> None:
         """A round tested the first ``num_tested`` draft tokens and accepted
         the first ``num_accepted`` of them."""
-        self.tested[source][:num_tested] += 1
-        self.accepted[source][:num_accepted] += 1
+        for counts in (self.counts[source], self.earlier[source]):
+            counts[0, :num_accepted] += 1
+            counts[1, :num_tested] += 1
 
 
 @dataclass
@@ -447,6 +483,7 @@ class SpeculativeDecoder:
         self.delta = delta
         self.prompt_lookup = prompt_lookup
         self._costs = {}  # measured once: see measure_costs
+        self._acceptance = {}  # per way of drafting: see DraftLength
 
     @property
     def drafting(self) -> str:
@@ -526,7 +563,10 @@ class SpeculativeDecoder:
         drafter = self._drafter(prompt_ids) if speculative else None
         if drafter is not None:
             costs = self.measure_costs(prompt_ids) if self.num_draft == "auto" else ({}, [])
-            draft_length = DraftLength(self.num_draft, *costs)
+            # Acceptance depends on the pair and on how lookup matches.
+            drafting = self.drafting, self.prompt_lookup, id(self.draft_model)
+            earlier = self._acceptance.setdefault(drafting, acceptance_counts())
+            draft_length = DraftLength(self.num_draft, *costs, earlier)
         sequence = [self.model.args.decoder_start_token_id]
         result = GenerationResult(
             tokens=[],

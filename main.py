@@ -100,6 +100,8 @@ def drafting_summary(result, drafting: str, num_draft: int | str) -> str:
     lengths = result.draft_lengths
     if num_draft == "auto" and lengths:
         line += f"g auto: average {sum(lengths) / len(lengths):.1f}, range {min(lengths)}-{max(lengths)}"
+    elif num_draft == "auto":
+        line += "g auto: no round drafted"
     else:
         line += f"g = {num_draft}"
     if drafting != "draft model":

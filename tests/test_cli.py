@@ -17,7 +17,7 @@ from fixtures import train_tokenizer
 
 import convert
 import main as main_module
-from decoder import SpeculativeDecoder, load_tokenizer
+from decoder import GenerationResult, SpeculativeDecoder, load_tokenizer
 from model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,9 @@ STATS = re.compile(
     r"Main-model passes: (\d+)\n"
 )
 ACCEPTANCE = re.compile(r"Draft tokens accepted: (\d+)/(\d+) \(([\d.]+)%\)")
-DRAFTING = re.compile(r"Drafting: (.+?), g (= \d+|auto: average [\d.]+, range \d+-\d+)")
+DRAFTING = re.compile(
+    r"Drafting: (.+?), g (= \d+|auto: average [\d.]+, range \d+-\d+|auto: no round drafted)"
+)
 COLOUR_CODE = re.compile(r"\x1b\[\d+m")
 PEAK_MEMORY = re.compile(r"Peak memory: ([\d.]+) [MG]B")
 GENERATE = ["--prompt", PROMPT, "-m", str(MAX_TOKENS)]
@@ -260,6 +262,17 @@ def test_drafting_modes_print_the_greedy_text_and_their_mode(
     drafting = DRAFTING.search(result.stdout)
     assert drafting, result.stdout
     assert drafting[1] == mode and drafting[2].startswith(draft_length)
+
+
+def test_drafting_summary_says_which_g_ran():
+    drafted = GenerationResult(tokens=[], draft_lengths=[1, 3, 2], n_steps=5, n_lookup_rounds=2)
+    summary = main_module.drafting_summary(drafted, "draft model", "auto")
+    assert summary == "Drafting: draft model, g auto: average 2.0, range 1-3"
+    summary = main_module.drafting_summary(drafted, "hybrid", 4)
+    assert summary == "Drafting: hybrid, g = 4; prompt lookup drafted 2 of 5 rounds"
+    plain = GenerationResult(tokens=[], n_steps=5)
+    summary = main_module.drafting_summary(plain, "draft model", "auto")
+    assert summary == "Drafting: draft model, g auto: no round drafted"
 
 
 def test_model_names_resolve_under_mlx_models(models, greedy_reference, tmp_path):

@@ -3,10 +3,13 @@ model's greedy output; the auto rule's formula; ``from_draft``."""
 
 import mlx.core as mx
 import pytest
+from fixtures import cheap_drafts
 
 from decoder import (
+    PROBE_EVERY,
     DraftLength,
     SpeculativeDecoder,
+    acceptance_counts,
     best_num_draft,
     expected_tokens_per_round,
     find_continuation,
@@ -57,7 +60,9 @@ def copying_pair(decoding_pair):
 def decode_all(decoder: SpeculativeDecoder, **options) -> dict[str, int]:
     """Decode every prompt regularly and speculatively, check that the tokens
     are equal, and return the speculative runs' totals."""
-    totals = dict.fromkeys(["proposed", "accepted", "rejected", "lookup_rounds", "rounds"], 0)
+    totals = dict.fromkeys(
+        ["proposed", "accepted", "rejected", "lookup_rounds", "rounds", "passes"], 0
+    )
     for prompt in PROMPTS:
         regular = decoder.generate(prompt, max_tokens=MAX_TOKENS, **options)
         speculative = decoder.speculative_decode(prompt, max_tokens=MAX_TOKENS, **options)
@@ -67,6 +72,7 @@ def decode_all(decoder: SpeculativeDecoder, **options) -> dict[str, int]:
         totals["rejected"] += speculative.n_rejected
         totals["lookup_rounds"] += speculative.n_lookup_rounds
         totals["rounds"] += len(speculative.draft_lengths)
+        totals["passes"] += speculative.n_steps
     return totals
 
 
@@ -83,7 +89,10 @@ def test_best_num_draft():
     assert best_num_draft([0.75] * 16, 0.1, flat) == 5
     # A main pass over 5 tokens 10% cheaper than one over 1: g = 4 gives 3.051 / 1.3.
     assert best_num_draft([0.75] * 16, 0.1, [1.0] * 4 + [0.9] + [1.0] * 12) == 4
-    assert best_num_draft([0.2] * 16, 0.5, flat) == 1
+    # g = 1 yields 1.4 tokens for 1.3 passes; g = 2 1.56 for 1.6.
+    assert best_num_draft([0.4] * 16, 0.3, flat) == 1
+    # Drafting does not pay (1.2 tokens for 1.5 passes at g = 1): a plain step.
+    assert best_num_draft([0.2] * 16, 0.5, flat) == 0
     assert best_num_draft([0.99] * 16, 0.0, flat) == 16
     # Per position: a second token never accepted is never worth drafting.
     assert best_num_draft([0.9, 0.0] + [0.9] * 14, 0.1, flat) == 1
@@ -98,6 +107,34 @@ def test_auto_draft_length_follows_acceptance():
     assert length.choose("model") == 1
     assert length.choose("lookup") == 16
     assert DraftLength(3, {}, []).choose("model") == 3
+
+
+def test_auto_draft_length_stops_drafting_a_draft_that_does_not_pay_but_probes_it():
+    length = DraftLength("auto", {"model": 0.5, "lookup": 0.0}, [1.0] * 17)
+    for _ in range(20):
+        length.update("model", 0, 1)
+    choices = [length.choose("model") for _ in range(3 * PROBE_EVERY)]
+    # A plain step, but one token drafted every PROBE_EVERY rounds.
+    assert choices == ([0] * (PROBE_EVERY - 1) + [1]) * 3
+    for _ in range(40):
+        length.update("model", 1, 1)  # the probes found the draft agreeing again
+    assert length.choose("model") >= 1
+
+
+def test_auto_starts_from_the_acceptance_of_earlier_generations():
+    costs, flat = {"model": 0.1, "lookup": 0.0}, [1.0] * 17
+    earlier = acceptance_counts()
+    first = DraftLength("auto", costs, flat, earlier)
+    assert first.choose("model") == 5  # the prior
+    for _ in range(30):
+        first.update("model", 0, 1)
+    second = DraftLength("auto", costs, flat, earlier)
+    # The first position's rate so far, (0 + 0.75 * 4) / (30 + 4): not worth drafting.
+    assert second.choose("model") == 0
+    assert second.choose("lookup") == DraftLength("auto", costs, flat).choose("lookup")
+    for _ in range(8):
+        second.update("model", 3, 3)  # this generation's own rounds outweigh it
+    assert second.choose("model") >= 3
 
 
 def test_auto_draft_length_learns_each_position():
@@ -155,6 +192,16 @@ def test_auto_with_a_draft_model_keeps_the_greedy_output(decoding_pair):
     assert totals["lookup_rounds"] == 0
 
 
+def test_auto_that_mostly_steps_plainly_keeps_the_greedy_output(decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft="auto")
+    # Drafting pays only above 90% acceptance: plain steps, with a one-token
+    # probe every PROBE_EVERY rounds after which the draft model catches up.
+    cheap_drafts(decoder, draft_cost=0.9)
+    totals = decode_all(decoder)
+    assert 0 < totals["rounds"] < totals["passes"] / (PROBE_EVERY - 2)
+    assert totals["proposed"] == totals["rounds"]
+
+
 @pytest.mark.parametrize(
     ("prompt_lookup", "num_draft", "temp", "with_draft_model"),
     [(0, 3, 0.0, True), (0, "auto", 1.0, True), (2, 4, 0.0, False), (3, "auto", 1.0, True)],
@@ -170,6 +217,7 @@ def test_from_draft_marks_the_accepted_draft_tokens(
         num_draft=num_draft,
         prompt_lookup=prompt_lookup,
     )
+    cheap_drafts(decoder)
     for prompt in PROMPTS:
         result = decoder.speculative_decode(prompt, max_tokens=MAX_TOKENS, temp=temp, seed=1)
         assert len(result.tokens) == len(result.from_draft) == MAX_TOKENS

@@ -14,6 +14,7 @@ from itertools import pairwise
 
 import mlx.core as mx
 import pytest
+from fixtures import cheap_drafts
 from scipy.stats import chisquare
 
 import decoder as decoder_module
@@ -164,7 +165,10 @@ def test_auto_num_draft_samples_follow_the_main_model(setting):
     decoder, prompt_ids = setting
     sampling = Sampling(temp=TEMP)
     auto = SpeculativeDecoder(decoder.model, decoder.draft_model, decoder.tokenizer, "auto")
+    cheap_drafts(auto)
     counts = sample_outputs(auto, sampling)
+    first = auto.speculative_decode(PROMPT, max_tokens=MAX_TOKENS, temp=TEMP, seed=0)
+    assert first.draft_lengths[0] > 1  # auto drafted, more than one token
     distribution = exact_distribution(decoder.model, prompt_ids, sampling)
     assert chi_square_p_value(counts, distribution) > 1e-3
 
