@@ -168,9 +168,8 @@ def best_num_draft(acceptance: list[float], draft_cost: float, verify_costs: lis
     over one token (``verify_costs[0] == 1``). g = 0 is a plain main-model
     step, one token per pass: the choice when drafting does not pay."""
     reach = np.cumprod(acceptance[: len(verify_costs) - 1])  # a_1 ... a_i
-    tokens = np.concatenate(
-        [[1.0], 1 + np.cumsum(reach)]
-    )  # index g: the tokens a round of g yields
+    # Index g: the tokens a round of g draft tokens yields.
+    tokens = 1 + np.concatenate([[0.0], np.cumsum(reach)])
     return max(
         range(len(verify_costs)),
         key=lambda g: tokens[g] / (g * draft_cost + verify_costs[g]),
@@ -530,8 +529,8 @@ class SpeculativeDecoder:
     def measure_costs(self, prompt_ids: mx.array) -> tuple[dict[str, float], list[float]]:
         """What "auto" weighs, timed on ``prompt_ids`` once per decoder (and
         draft model): a draft token's time, drafted as in a round, over a
-        main step's, for each draft source, and the time of a main pass over 1 .. MAX_AUTO_DRAFT + 1
-        tokens over that of a pass over one. The first generation with
+        main step's, for each draft source, and the time of a main pass over
+        1 .. MAX_AUTO_DRAFT + 1 tokens over that of a pass over one. The first generation with
         num_draft="auto" pays for it, in its prompt time."""
         if "verify" not in self._costs:
             main = pass_times(self.model, self.model.encode(prompt_ids), MAX_AUTO_DRAFT + 1)
@@ -576,8 +575,8 @@ class SpeculativeDecoder:
         if drafter is not None:
             costs = self.measure_costs(prompt_ids) if self.num_draft == "auto" else ({}, [])
             # Acceptance depends on the pair, how lookup matches, sampling and delta.
-            drafting = self.drafting, self.prompt_lookup, id(self.draft_model), sampling, self.delta
-            earlier = self._acceptance.setdefault(drafting, acceptance_counts())
+            key = self.drafting, self.prompt_lookup, id(self.draft_model), sampling, self.delta
+            earlier = self._acceptance.setdefault(key, acceptance_counts())
             draft_length = DraftLength(self.num_draft, *costs, earlier)
         sequence = [self.model.args.decoder_start_token_id]
         result = GenerationResult(
