@@ -62,7 +62,7 @@ import blas  # isort: skip
 from limits import decoder_step_bytes, memory_bandwidth
 
 from cli import ArgumentParser, num_draft
-from decoder import MAX_AUTO_DRAFT, expected_tokens_per_round, pass_times
+from drafting import MAX_AUTO_DRAFT, expected_tokens_per_round, pass_times
 
 PROMPTS = [
     "translate English to German: The museum opens at nine and closes early on Sundays.",
