@@ -351,6 +351,10 @@ class DecoderCache:
         """Decoder positions cached, per row."""
         return self.self_attn[0].lengths
 
+    def positions(self, length: int) -> mx.array:
+        """Positions [B, length] of ``length`` new tokens in each row, after its cached ones."""
+        return mx.array(self.lengths)[:, None] + mx.arange(length)
+
     @property
     def offset(self) -> int:
         """Decoder positions cached in a batch of one."""
@@ -500,7 +504,7 @@ class T5(nn.Module):
         after its own cached positions."""
         x = self.embed(decoder_inputs)
         length = decoder_inputs.shape[1]
-        positions = mx.array(cache.lengths)[:, None] + mx.arange(length)  # [B, T]
+        positions = cache.positions(length)
         key_length = max(cache.lengths) + length
         # Relative position buckets do not hide the future, so mask it; this
         # also hides whatever lies past a row's own length.
