@@ -7,8 +7,23 @@ Nothing here imports mlx, so a command can check its arguments before the
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+
+# Every name convert.py writes into a model directory: the weights, config.json
+# and the tokenizer's files (those any transformers version saves for T5).
+CONVERTED_FILES = frozenset(
+    {
+        "weights.npz",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "spiece.model",
+    }
+)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -47,10 +62,37 @@ def num_draft(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1 or auto") from None
 
 
+def is_converted(path: Path) -> bool:
+    """Whether ``path`` holds a converted model: config.json and weights.npz."""
+    return (path / "config.json").is_file() and (path / "weights.npz").is_file()
+
+
+def read_config(path: Path) -> dict:
+    """The JSON object in ``path/config.json``; empty if there is none."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def written_by_convert(path: Path) -> bool:
+    """Whether ``path`` is a directory convert.py wrote, with nothing added:
+    a converted model whose config.json names its source (``converted_from``)
+    or, written before convert.py recorded that, is a T5 config, and no
+    files but CONVERTED_FILES."""
+    if path.is_symlink() or not is_converted(path):
+        return False
+    if any(entry.name not in CONVERTED_FILES or not entry.is_file() for entry in path.iterdir()):
+        return False
+    config = read_config(path)
+    return "converted_from" in config or config.get("model_type") == "t5"
+
+
 def resolve_model(name: str) -> Path:
     """A directory written by convert.py: ``name`` itself, or ``mlx_models/<name>``."""
     for path in (Path(name), Path("mlx_models") / name.replace("/", "-")):
-        if (path / "config.json").is_file() and (path / "weights.npz").is_file():
+        if is_converted(path):
             return path
     raise FileNotFoundError(
         f"model {name!r} is not converted; run: python convert.py --model {name}"
