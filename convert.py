@@ -28,7 +28,7 @@ import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 from mlx import nn
 
-from cli import ArgumentParser, read_config, written_by_convert
+from cli import ArgumentParser, is_converted, read_config, written_by_convert
 from model import T5, ModelArgs, quantizable_layers
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -353,6 +353,10 @@ def convert(
     a temporary directory beside ``out`` and renamed into place, so an
     interrupted run leaves no directory that looks converted.
     """
+    if is_converted(Path(model)):
+        raise ValueError(
+            f"{model} is already converted; use it as it is: python main.py --model-name {model}"
+        )
     check_output(out, model, force)
     checkpoint = fetch_checkpoint(model)
     config_file = checkpoint / "config.json"

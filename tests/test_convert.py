@@ -675,6 +675,21 @@ def test_cli_rejects_bad_checkpoint_directories(damage, expected, tmp_path, hf_c
     assert not (tmp_path / "mlx_models").exists()
 
 
+@pytest.mark.parametrize("out", [None, "itself"], ids=["default-out", "out-itself"])
+def test_converted_directory_is_not_converted_again(out, tmp_path, converted, monkeypatch, capsys):
+    """Given a directory convert.py wrote, convert.py says how to use it."""
+    model = converted("relu_tied")
+    before = tree(model)
+    monkeypatch.chdir(tmp_path)
+    code, err = convert_cli(capsys, "--model", str(model), *(["--out", str(model)] if out else []))
+    assert code != 0
+    message = assert_one_line_error(err)
+    assert "already converted" in message
+    assert f"python main.py --model-name {model}" in message
+    assert tree(model) == before
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["no-such-t5-model", "no-such-org/no-such-t5"])
 def test_cli_rejects_unknown_model_names(name, tmp_path):
     result = run_convert("--model", name, cwd=tmp_path)
