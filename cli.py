@@ -7,7 +7,9 @@ Nothing here imports mlx, so a command can check its arguments before the
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -89,13 +91,71 @@ def written_by_convert(path: Path) -> bool:
     return "converted_from" in config or config.get("model_type") == "t5"
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face checkpoint directory: config.json
+    and safetensors or PyTorch weights."""
+    weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    return (path / "config.json").is_file() and weights
+
+
+def default_output(model: str, quantization: dict | None = None) -> Path:
+    """Where convert.py writes ``model`` unless ``--out`` says otherwise: the
+    mlx-community names, ``<name>-4bit`` (affine) or ``<name>-mxfp4``, when quantized."""
+    name = Path(model).resolve().name if Path(model).is_dir() else model.replace("/", "-")
+    if quantization:
+        mode = quantization["mode"]
+        name += f"-{quantization['bits']}bit" if mode == "affine" else f"-{mode}"
+    return Path("mlx_models") / name
+
+
+def conversions_of(checkpoint: Path) -> list[Path]:
+    """The conversions of the directory ``checkpoint`` in mlx_models/, told
+    by the source their config.json records."""
+    source = str(checkpoint.resolve())
+    return sorted(
+        path
+        for path in Path("mlx_models").glob("*")
+        if is_converted(path) and read_config(path).get("converted_from") == source
+    )
+
+
+def free_output(checkpoint: Path) -> Path:
+    """convert.py's default output for ``checkpoint`` or, where something else
+    is, the first free ``<name>-2``, ``<name>-3``, ..."""
+    out = default_output(str(checkpoint))
+    numbered = (out.with_name(f"{out.name}-{number}") for number in itertools.count(2))
+    candidates = itertools.chain([out], numbered)
+    return next(path for path in candidates if not path.exists() and not path.is_symlink())
+
+
 def resolve_model(name: str) -> Path:
-    """A directory written by convert.py: ``name`` itself, or ``mlx_models/<name>``."""
+    """A directory written by convert.py: ``name`` itself, ``mlx_models/<name>``
+    or, for a Hugging Face checkpoint directory, its one conversion in
+    mlx_models/ (said on standard error). Otherwise ``FileNotFoundError``
+    with the convert.py command to run and what to give afterwards."""
     for path in (Path(name), Path("mlx_models") / name.replace("/", "-")):
         if is_converted(path):
             return path
+    if not is_checkpoint(Path(name)):
+        raise FileNotFoundError(
+            f"model {name!r} is not converted; run: python convert.py --model {name}"
+        )
+    conversions = conversions_of(Path(name))
+    if len(conversions) == 1:
+        print(
+            f"{name} is a Hugging Face checkpoint: using its conversion {conversions[0]}",
+            file=sys.stderr,
+        )
+        return conversions[0]
+    if conversions:
+        raise FileNotFoundError(
+            f"{name} is a Hugging Face checkpoint converted more than once "
+            f"({', '.join(map(str, conversions))}): give one of those instead"
+        )
+    out = free_output(Path(name))
     raise FileNotFoundError(
-        f"model {name!r} is not converted; run: python convert.py --model {name}"
+        f"{name} is a Hugging Face checkpoint, not converted yet; run: python convert.py "
+        f"--model {shlex.quote(name)} --out {shlex.quote(str(out))}, then give {out} in its place"
     )
 
 

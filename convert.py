@@ -28,7 +28,7 @@ import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 from mlx import nn
 
-from cli import ArgumentParser, is_converted, read_config, written_by_convert
+from cli import ArgumentParser, default_output, is_converted, read_config, written_by_convert
 from model import T5, ModelArgs, quantizable_layers
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -80,16 +80,6 @@ def quantization_settings(bits: int | None, group_size: int | None, mode: str) -
     if not mode_runs(mode):
         raise ValueError(f"--q-mode {mode} does not run on this platform's MLX; use affine")
     return {"group_size": group_size, "bits": bits, "mode": mode}
-
-
-def default_output(model: str, quantization: dict | None = None) -> Path:
-    """Where ``model`` is written unless ``--out`` says otherwise: the
-    mlx-community names, ``<name>-4bit`` (affine) or ``<name>-mxfp4``, when quantized."""
-    name = Path(model).name if Path(model).is_dir() else model.replace("/", "-")
-    if quantization:
-        mode = quantization["mode"]
-        name += f"-{quantization['bits']}bit" if mode == "affine" else f"-{mode}"
-    return Path("mlx_models") / name
 
 
 def check_output(out: Path, model: str, force: bool) -> None:

@@ -7,6 +7,7 @@ import os
 import pty
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -298,6 +299,39 @@ def test_resolve_model_finds_convert_default_output(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")
         (out / "weights.npz").write_bytes(b"")
         assert main_module.resolve_model(name) == out
+
+
+def test_checkpoint_directory_advice_works_when_followed(hf_pair, converted, tmp_path):
+    """--model-name path/to/ckpt/main, the Hugging Face checkpoint itself:
+    the error names the convert.py command (avoiding an output taken by
+    another checkpoint's conversion) and what to give afterwards; both then
+    run, the checkpoint's path saying which conversion it used."""
+    checkpoint = Path("ckpt", "main")
+    shutil.copytree(hf_pair[0], tmp_path / checkpoint)
+    copy_model(converted("relu_tied"), tmp_path / "mlx_models" / "main")  # another checkpoint's
+    run = ["--regular-decode", *GENERATE]
+    advice = assert_one_line_error(run_main("--model-name", str(checkpoint), *run, cwd=tmp_path))
+    match = re.search(r"run: (python convert\.py .+), then give (\S+) in its place", advice)
+    assert match, advice
+    command, out = shlex.split(match[1]), match[2]
+    assert out == str(Path("mlx_models", "main-2"))
+    conversion = subprocess.run(
+        [sys.executable, str(ROOT / command[1]), *command[2:], "--dtype", "float32"],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert conversion.returncode == 0, conversion.stderr
+    by_conversion, by_checkpoint = run_main_concurrently(
+        ["--model-name", out, *run], ["--model-name", str(checkpoint), *run], cwd=tmp_path
+    )
+    for result in (by_conversion, by_checkpoint):
+        assert result.returncode == 0, result.stderr
+        assert generated_text(result.stdout).strip()
+    assert f"using its conversion {out}" in by_checkpoint.stderr
 
 
 # --- bad input -----------------------------------------------------------------

@@ -146,10 +146,12 @@ def test_default_output_names():
     assert convert.default_output("google/flan-t5-large") == Path("mlx_models/google-flan-t5-large")
 
 
-def test_default_output_of_a_local_directory(tmp_path):
+def test_default_output_of_a_local_directory(tmp_path, monkeypatch):
     checkpoint = tmp_path / "some" / "my-t5"
     checkpoint.mkdir(parents=True)
     assert convert.default_output(str(checkpoint)) == Path("mlx_models/my-t5")
+    monkeypatch.chdir(checkpoint)  # --model . is named after the directory, not mlx_models itself
+    assert convert.default_output(".") == Path("mlx_models/my-t5")
 
 
 # --- model_config ----------------------------------------------------------------
