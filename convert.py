@@ -126,24 +126,72 @@ def move_into_place(staging: Path, out: Path) -> None:
     shutil.rmtree(aside)
 
 
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an error's message (hub errors span many)."""
+    return next((line for line in str(error).splitlines() if line.strip()), "")
+
+
 def fetch_checkpoint(model: str) -> Path:
-    """A local checkpoint directory, or a Hugging Face hub id downloaded to the hub cache."""
+    """A local checkpoint directory, or a Hugging Face hub id: its files in the
+    hub cache, downloaded when the hub is reachable, else those the cache
+    holds (with ``HF_HUB_OFFLINE=1``, the hub is not asked at all).
+    ``ValueError`` tells apart no such model, a gated one, a refusal, no
+    network and offline mode."""
     if Path(model).is_dir():
         return Path(model)
-    from huggingface_hub import list_repo_files, snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
+    print(f"Fetching {model} from the Hugging Face Hub or its cache ...", flush=True)
     try:
-        files = list_repo_files(model)
-        patterns = list(DOWNLOAD_PATTERNS)
-        if not any(f.endswith(".safetensors") for f in files):
-            patterns.append("*.bin")
-        print(f"Downloading {model} from the Hugging Face Hub ...", flush=True)
-        return Path(snapshot_download(model, allow_patterns=patterns))
-    except Exception as error:  # noqa: BLE001 - the hub client raises many kinds, all fatal here
+        checkpoint = Path(snapshot_download(model, allow_patterns=DOWNLOAD_PATTERNS))
+        if not any(checkpoint.glob("*.safetensors")):  # an older checkpoint: PyTorch weights only
+            checkpoint = Path(snapshot_download(model, allow_patterns=["*.bin"]))
+    except HFValidationError:
+        raise ValueError(f"{model!r} is neither a local directory nor a hub model id") from None
+    except GatedRepoError:
+        raise ValueError(
+            f"{model!r} is gated on the Hugging Face Hub: accept its conditions at "
+            f"https://huggingface.co/{model}, then log in with: hf auth login"
+        ) from None
+    except RepositoryNotFoundError:
         raise ValueError(
             f"{model!r} is neither a local directory nor a model on the Hugging Face Hub "
-            f"that can be downloaded ({type(error).__name__}: {str(error).splitlines()[0]})"
+            "(the hub has no such repository; a private one needs: hf auth login)"
         ) from None
+    except HfHubHTTPError as error:  # e.g. a token the hub does not accept
+        raise ValueError(
+            f"the Hugging Face Hub refused {model!r} ({first_line(error)}); "
+            "check your login: hf auth login"
+        ) from None
+    except LocalEntryNotFoundError as error:  # the hub was not asked or did not answer
+        cause = error.__cause__
+        if constants.HF_HUB_OFFLINE:
+            reason = "HF_HUB_OFFLINE=1 forbids downloading it"
+        elif isinstance(cause, HfHubHTTPError):
+            reason = f"the Hugging Face Hub failed ({first_line(cause)}); try again later"
+        else:
+            reason = (
+                f"the Hugging Face Hub cannot be reached ({first_line(cause or error)}): check "
+                "the network, or give a local checkpoint directory (HF_HUB_OFFLINE=1 converts "
+                "models the cache holds without asking the hub)"
+            )
+        raise ValueError(
+            f"{model!r} is neither a local directory nor (completely) in the Hugging Face "
+            f"cache, and {reason}"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - a download can fail in many ways, all fatal here
+        raise ValueError(
+            f"downloading {model!r} from the Hugging Face Hub failed "
+            f"({type(error).__name__}: {first_line(error)})"
+        ) from None
+    return checkpoint
 
 
 def weight_files(checkpoint: Path) -> list[Path]:

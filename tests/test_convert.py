@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -697,6 +701,131 @@ def test_cli_rejects_unknown_model_names(name, tmp_path):
     result = run_convert("--model", name, cwd=tmp_path)
     assert result.returncode != 0
     assert name in assert_one_line_error(result.stderr)
+    assert not (tmp_path / "mlx_models").exists()
+
+
+# --- the Hugging Face Hub --------------------------------------------------------
+
+HUB_MODEL = "tiny-org/tiny-t5"
+
+
+class HubAnswer(http.server.BaseHTTPRequestHandler):
+    """Answers every request with the class's status and ``X-Error-Code``, as
+    the Hugging Face Hub answers for a model it will not serve."""
+
+    status, error_code = 404, None
+
+    def do_GET(self):
+        self.send_response(self.status)
+        if self.error_code:
+            self.send_header("X-Error-Code", self.error_code)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "refused by the test hub"}')
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """The hub client with an empty cache, ``tmp_path / "cache"``; call
+    ``hub(status, error_code)`` to point it at a local server answering so,
+    ``hub("unreachable")`` at a port nothing listens on (no network),
+    ``hub("offline")`` for HF_HUB_OFFLINE=1."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    servers = []
+
+    def answer(status, error_code=None):
+        if status == "offline":
+            monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+            return
+        if status == "unreachable":
+            with socket.socket() as unused:
+                unused.bind(("127.0.0.1", 0))
+                port = unused.getsockname()[1]
+        else:
+            handler = type("Answer", (HubAnswer,), {"status": status, "error_code": error_code})
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            servers.append(server)
+            port = server.server_address[1]
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+
+    yield answer
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def put_in_hub_cache(cache: Path, repo_id: str, checkpoint: Path) -> None:
+    """``checkpoint`` in a Hugging Face cache, as a download of ``repo_id`` leaves it."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(checkpoint, repo / "snapshots" / commit)
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+@pytest.mark.parametrize("hub_state", ["offline", "unreachable"])
+def test_model_in_the_hub_cache_converts_without_the_hub(
+    hub_state, weights, hub, tmp_path, hf_checkpoint, converted, monkeypatch, capsys
+):
+    """HF_HUB_OFFLINE=1, or no network: what the cache holds converts."""
+    source = hf_checkpoint("gated_untied")
+    if weights == "bin":
+        source = bin_checkpoint(source, tmp_path / "bin")
+    put_in_hub_cache(tmp_path / "cache", HUB_MODEL, source)
+    hub(hub_state)
+    monkeypatch.chdir(tmp_path)
+    code, err = convert_cli(capsys, "--model", HUB_MODEL, "--dtype", "float32")
+    assert code == 0, err
+    out = tmp_path / "mlx_models" / "tiny-org-tiny-t5"
+    assert_same_weights(out, converted("gated_untied"))
+    assert json.loads((out / "config.json").read_text())["converted_from"] == HUB_MODEL
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ((404, "RepoNotFound"), "the hub has no such repository"),
+        # The hub's answer to an anonymous request for a missing or private model.
+        ((401, "RepoNotFound"), "the hub has no such repository"),
+        ((403, "GatedRepo"), "gated on the Hugging Face Hub"),
+        ((401, None), "refused"),
+        ((500, None), "try again later"),
+        (("unreachable",), "cannot be reached"),
+        (("offline",), "HF_HUB_OFFLINE=1 forbids downloading it"),
+    ],
+    ids=[
+        "not-found",
+        "not-found-401",
+        "gated",
+        "unauthorised",
+        "server-error",
+        "no-network",
+        "offline",
+    ],
+)
+def test_hub_failures_are_told_apart_at_once(answer, expected, hub, tmp_path, monkeypatch, capsys):
+    """What the hub answered, or that it could not be asked, in one line,
+    without retrying (the file listing's retries took ~24 s offline)."""
+    hub(*answer)
+    monkeypatch.chdir(tmp_path)
+    tic = time.monotonic()
+    code, err = convert_cli(capsys, "--model", HUB_MODEL)
+    assert time.monotonic() - tic < 10
+    assert code != 0
+    message = assert_one_line_error(err)
+    assert expected in message and HUB_MODEL in message
+    if answer == ("unreachable",):
+        assert "HF_HUB_OFFLINE=1" in message and "local checkpoint directory" in message
     assert not (tmp_path / "mlx_models").exists()
 
 
