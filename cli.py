@@ -1,4 +1,5 @@
-"""Command-line helpers shared by main.py, convert.py and the benchmark tools.
+"""Command-line helpers shared by main.py, convert.py and the benchmark tools
+(and the seed check, by the decoder too).
 
 Nothing here imports mlx, so a command can check its arguments before the
 (slow) imports and before anything is loaded.
@@ -52,6 +53,16 @@ def checked(kind: type, condition, requirement: str):
 
 POSITIVE = checked(int, lambda n: n >= 1, ">= 1")
 NON_NEGATIVE = checked(int, lambda n: n >= 0, ">= 0")
+
+SEEDS = "an integer in [0, 2**64)"  # what mx.random.seed takes
+
+
+def is_seed(value: object) -> bool:
+    """Whether ``value`` is one of SEEDS (the decoder checks seeds with this too)."""
+    return isinstance(value, int) and 0 <= value < 2**64
+
+
+SEED = checked(int, is_seed, SEEDS)
 
 
 def num_draft(text: str) -> int | str:

@@ -35,6 +35,7 @@ import numpy as np
 import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 
+from cli import SEEDS, is_seed
 from model import T5, DecoderCache, ModelArgs, load_config
 
 
@@ -561,6 +562,8 @@ class SpeculativeDecoder:
         to draft with) is the same loop with no draft tokens."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if seed is not None and not is_seed(seed):
+            raise ValueError(f"seed must be {SEEDS}, got {seed!r}")
         sampling = Sampling(temp, top_p, top_k)
         speculative = speculative and self.drafting != "none"
         if seed is not None:

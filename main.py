@@ -20,6 +20,7 @@ import blas  # noqa: F401  # isort: skip
 from cli import (
     NON_NEGATIVE,
     POSITIVE,
+    SEED,
     ArgumentParser,
     checked,
     num_draft,
@@ -84,7 +85,7 @@ def build_parser() -> ArgumentParser:
         help="nucleus mass",
     )
     add("--top-k", type=NON_NEGATIVE, default=0, help="sample among the k likeliest (0: all)")
-    add("--seed", type=int, default=0, help="random seed for sampling")
+    add("--seed", type=SEED, default=0, help="random seed for sampling")
     add("--regular-decode", action="store_true", help="decode with the main model alone")
     add("--show-draft", action="store_true", help="colour accepted draft tokens on a terminal")
     return parser

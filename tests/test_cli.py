@@ -354,6 +354,8 @@ def test_checkpoint_directory_advice_works_when_followed(hf_pair, converted, tmp
         (["--top-p", "0"], "--top-p"),
         (["--top-p", "1.5"], "--top-p"),
         (["--top-k", "-1"], "--top-k"),
+        (["--seed", "-3", "--temp", "1"], "--seed"),
+        (["--seed", str(2**64)], "--seed"),
         (["--prompt", ""], "prompt"),
         (["--prompt", "   "], "prompt"),
     ],

@@ -250,6 +250,10 @@ def test_prompt_may_be_token_ids(decoding_pair):
         ({"top_p": 0.0}, "top-p"),
         ({"top_p": 1.5}, "top-p"),
         ({"top_k": -2}, "top-k"),
+        # mx.random.seed takes an unsigned 64-bit integer; MLX's own error is a TypeError.
+        ({"seed": -3, "temp": 1.0}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 1.5}, "seed"),
     ],
 )
 def test_bad_generation_arguments_are_refused(kwargs, message, decoding_pair):
