@@ -4,6 +4,9 @@ python main.py                                   # t5-11b with a t5-small draft
 python main.py --prompt "summarize: ..." --num-draft 3 --delta 0.1
 python main.py --regular-decode                  # the main model alone
 python main.py --draft-model-name none --prompt-lookup 3 --num-draft auto --show-draft
+
+Standard output is the generated text alone; everything else (Loading lines,
+notes, the summary) goes to standard error, so the text can be piped.
 """
 
 from __future__ import annotations
@@ -111,20 +114,24 @@ def drafting_summary(result, drafting: str, num_draft: int | str) -> str:
 
 
 def print_summary(result, drafting: str, num_draft: int | str) -> None:
-    """The numbers of a run, in mlx-lm's layout: prompt and generation apart."""
+    """The numbers of a run, in mlx-lm's layout (prompt and generation apart),
+    on standard error: standard output is the generated text alone."""
     import mlx.core as mx
 
-    print("=" * 40)
-    print(f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tokens_per_second:.1f} tokens/s")
-    print(f"Generation: {len(result.tokens)} tokens, {result.tokens_per_second:.1f} tokens/s")
-    print(f"Main-model passes: {result.n_steps}")
+    lines = [
+        "=" * 40,
+        f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tokens_per_second:.1f} tokens/s",
+        f"Generation: {len(result.tokens)} tokens, {result.tokens_per_second:.1f} tokens/s",
+        f"Main-model passes: {result.n_steps}",
+    ]
     if drafting != "none":
-        print(
+        lines.append(
             f"Draft tokens accepted: {result.n_accepted}/{result.n_draft} "
             f"({100 * result.acceptance_rate:.1f}%)"
         )
-        print(drafting_summary(result, drafting, num_draft))
-    print(f"Peak memory: {format_bytes(mx.get_peak_memory())}")
+        lines.append(drafting_summary(result, drafting, num_draft))
+    lines.append(f"Peak memory: {format_bytes(mx.get_peak_memory())}")
+    print("\n".join(lines), file=sys.stderr)
 
 
 def new_text(result, tokenizer, printed: str, num_printed: int, show_draft: bool) -> str:
@@ -216,7 +223,7 @@ def run(args: argparse.Namespace) -> None:
     check_memory(args.model_name, paths, len(tokenizer(prompt).input_ids), args.max_tokens)
     models = []
     for path, role in zip(paths, ("", "draft ")):
-        print(f"Loading {role}{path}", flush=True)
+        print(f"Loading {role}{path}", file=sys.stderr)
         models.append(load_model(path))
     if any(model.args.quantization for model in models) and mx.default_device() == mx.cpu:
         print(CPU_QUANTIZED_NOTE, file=sys.stderr)

@@ -76,33 +76,36 @@ def run_main_concurrently(*arg_lists: list[str], cwd: Path) -> list[subprocess.C
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess) -> str:
-    """A failed run whose stderr is exactly one ``error:`` line; returns that line."""
+    """A failed run whose stderr, after any "Loading ..." lines, is exactly one
+    ``error:`` line; returns that line."""
     assert result.returncode != 0, f"main.py accepted bad input; its output:\n{result.stdout}"
     assert "Traceback" not in result.stderr, f"main.py crashed:\n{result.stderr}"
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, f"greedy_reference one error line, got:\n{result.stderr}"
+    lines = [
+        line
+        for line in result.stderr.splitlines()
+        if line.strip() and not line.startswith("Loading ")
+    ]
+    assert len(lines) == 1, f"expected one error line, got:\n{result.stderr}"
     assert lines[0].startswith("error:"), result.stderr
     return lines[0]
 
 
 def generated_text(stdout: str) -> str:
-    """The text main.py printed between the last "Loading ..." line and the stats."""
-    lines = stdout.split(SEPARATOR)[0].split("\n")
-    last_loading = max(i for i, line in enumerate(lines) if line.startswith("Loading "))
-    text = "\n".join(lines[last_loading + 1 :])
-    assert text.endswith("\n"), stdout
-    return text[:-1]
+    """The text main.py generated: its whole standard output, less the newline ending it."""
+    assert stdout.endswith("\n") and SEPARATOR not in stdout, stdout
+    return stdout[:-1]
 
 
-def stats(stdout: str) -> tuple[int, float, int]:
-    """(tokens generated, generation tokens/s, main-model passes) from main.py's output,
-    after checking the prompt and peak-memory lines."""
-    match = STATS.search(stdout)
-    assert match, stdout
+def stats(stderr: str) -> tuple[int, float, int]:
+    """(tokens generated, generation tokens/s, main-model passes) from the
+    summary main.py writes to standard error, after checking the prompt and
+    peak-memory lines."""
+    match = STATS.search(stderr)
+    assert match, stderr
     prompt_tokens, prompt_tokens_per_second = int(match[1]), float(match[2])
-    assert prompt_tokens > 0 and prompt_tokens_per_second > 0, stdout
-    peak = PEAK_MEMORY.search(stdout)
-    assert peak and float(peak[1]) > 0, stdout
+    assert prompt_tokens > 0 and prompt_tokens_per_second > 0, stderr
+    peak = PEAK_MEMORY.search(stderr)
+    assert peak and float(peak[1]) > 0, stderr
     return int(match[3]), float(match[4]), int(match[5])
 
 
@@ -140,15 +143,18 @@ def model_args(models) -> list[str]:
 
 
 def test_speculative_run_prints_greedy_text_and_stats(models, greedy_reference, tmp_path):
+    """``main.py > out.txt`` writes the generated text and a newline to the
+    file, nothing else; the rest (Loading lines, the summary) is on stderr."""
     result = run_main(*model_args(models), *GENERATE, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert generated_text(result.stdout) == greedy_reference.text
-    tokens, tokens_per_second, passes = stats(result.stdout)
+    assert result.stdout == greedy_reference.text + "\n"
+    assert result.stderr.startswith(f"Loading {models[0]}\nLoading draft {models[1]}\n")
+    tokens, tokens_per_second, passes = stats(result.stderr)
     assert tokens == len(greedy_reference.tokens)
     assert tokens_per_second > 0
     assert 1 <= passes <= tokens + 1
-    match = ACCEPTANCE.search(result.stdout)
-    assert match, result.stdout
+    match = ACCEPTANCE.search(result.stderr)
+    assert match, result.stderr
     accepted, proposed, percent = int(match[1]), int(match[2]), float(match[3])
     assert 0 <= accepted <= proposed
     assert proposed > 0
@@ -175,7 +181,7 @@ def test_prompt_from_standard_input(models, greedy_reference, tmp_path):
     assert result.returncode == 0, result.stderr
     assert generated_text(result.stdout) == greedy_reference.text
     prompt_tokens = len(load_tokenizer(models[0])(PROMPT).input_ids)
-    assert STATS.search(result.stdout)[1] == str(prompt_tokens)
+    assert STATS.search(result.stderr)[1] == str(prompt_tokens)
     assert "prompt is empty" in assert_one_line_error(empty)
 
 
@@ -184,11 +190,11 @@ def test_regular_decode_prints_the_same_text(models, greedy_reference, tmp_path)
     result = run_main("--model-name", str(main_dir), "--regular-decode", *GENERATE, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert generated_text(result.stdout) == greedy_reference.text
-    tokens, _, passes = stats(result.stdout)
+    tokens, _, passes = stats(result.stderr)
     assert tokens == len(greedy_reference.tokens)
     assert passes in (tokens, tokens + 1)  # one token per pass, plus a final EOS pass
-    assert "draft tokens accepted" not in result.stdout
-    assert "Loading draft" not in result.stdout
+    assert "Draft tokens accepted" not in result.stderr
+    assert "Loading draft" not in result.stderr
 
 
 @pytest.mark.parametrize("regular", [False, True], ids=["speculative", "regular"])
@@ -199,12 +205,13 @@ def test_sampling_is_reproducible_with_a_seed(regular, models, tmp_path):
     assert second.returncode == 0, second.stderr
     assert generated_text(first.stdout).strip()
     assert generated_text(first.stdout) == generated_text(second.stdout)
-    assert stats(first.stdout)[0] == stats(second.stdout)[0]
+    assert stats(first.stderr)[0] == stats(second.stderr)[0]
 
 
-def run_main_on_a_terminal(*args: str, cwd: Path) -> str:
+def run_main_on_a_terminal(*args: str, cwd: Path) -> tuple[str, str]:
     """``python main.py ARGS`` with its standard output on a pseudo-terminal;
-    what it wrote there, with the terminal's line ends undone."""
+    what it wrote there, with the terminal's line ends undone, and its
+    standard error."""
     terminal, child_end = pty.openpty()
     process = subprocess.Popen(
         [sys.executable, str(MAIN_PY), *args],
@@ -224,8 +231,9 @@ def run_main_on_a_terminal(*args: str, cwd: Path) -> str:
             break
         output += chunk
     os.close(terminal)
-    assert process.wait(timeout=300) == 0, process.stderr.read()
-    return output.decode().replace("\r\n", "\n")
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 0, stderr
+    return output.decode().replace("\r\n", "\n"), stderr
 
 
 def test_show_draft_colours_accepted_draft_tokens_on_a_terminal_only(
@@ -236,11 +244,11 @@ def test_show_draft_colours_accepted_draft_tokens_on_a_terminal_only(
     assert piped.returncode == 0, piped.stderr
     assert "\x1b" not in piped.stdout
     assert generated_text(piped.stdout) == greedy_reference.text
-    on_terminal = run_main_on_a_terminal(*args, cwd=tmp_path)
+    on_terminal, summary = run_main_on_a_terminal(*args, cwd=tmp_path)
     coloured = generated_text(on_terminal)
     assert COLOUR_CODE.search(coloured), on_terminal
     assert COLOUR_CODE.sub("", coloured) == greedy_reference.text
-    accepted = int(ACCEPTANCE.search(on_terminal)[1])
+    accepted = int(ACCEPTANCE.search(summary)[1])
     assert accepted > 0
 
 
@@ -259,9 +267,9 @@ def test_drafting_modes_print_the_greedy_text_and_their_mode(
     result = run_main(*model_args(models), *GENERATE, *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert generated_text(result.stdout) == greedy_reference.text
-    assert ("Loading draft" in result.stdout) == (mode != "prompt lookup")
-    drafting = DRAFTING.search(result.stdout)
-    assert drafting, result.stdout
+    assert ("Loading draft" in result.stderr) == (mode != "prompt lookup")
+    drafting = DRAFTING.search(result.stderr)
+    assert drafting, result.stderr
     assert drafting[1] == mode and drafting[2].startswith(draft_length)
 
 
@@ -285,8 +293,8 @@ def test_model_names_resolve_under_mlx_models(models, greedy_reference, tmp_path
     names = ["--model-name", "tiny-main", "--draft-model-name", "org/tiny"]
     result = run_main(*names, *GENERATE, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert f"Loading {Path('mlx_models', 'tiny-main')}" in result.stdout
-    assert f"Loading draft {Path('mlx_models', 'org-tiny')}" in result.stdout
+    assert f"Loading {Path('mlx_models', 'tiny-main')}" in result.stderr
+    assert f"Loading draft {Path('mlx_models', 'org-tiny')}" in result.stderr
     assert generated_text(result.stdout) == greedy_reference.text
 
 
@@ -364,7 +372,7 @@ def test_checkpoint_directory_advice_works_when_followed(hf_pair, converted, tmp
 def test_bad_arguments_give_one_line_error(args, mentioned, models, tmp_path):
     result = run_main(*model_args(models), *args, cwd=tmp_path)
     assert mentioned in assert_one_line_error(result)
-    assert "Loading" not in result.stdout
+    assert "Loading" not in result.stderr
 
 
 @pytest.mark.parametrize("role", ["--model-name", "--draft-model-name"])
@@ -375,7 +383,7 @@ def test_unconverted_model_names_the_convert_command(role, models, tmp_path):
     result = run_main(*[x for pair in names.items() for x in pair], "-m", "3", cwd=tmp_path)
     message = assert_one_line_error(result)
     assert "python convert.py --model no-such-org/no-such-t5" in message
-    assert "Loading" not in result.stdout
+    assert "Loading" not in result.stderr
 
 
 def truncate_weights(directory: Path) -> None:
@@ -455,7 +463,7 @@ def test_bad_model_directories_give_one_line_error(role, damage, mentioned, mode
     if damage in (replace_tokenizer, change_vocab_size):
         # An incompatible draft is found before any weights are loaded.
         assert str(main_dir) in message
-        assert "Loading" not in result.stdout
+        assert "Loading" not in result.stderr
 
 
 # --- memory ----------------------------------------------------------------------
@@ -489,7 +497,7 @@ def test_models_that_do_not_fit_are_refused_before_loading(
     monkeypatch.setattr(main_module, "available_memory", lambda: int(available))
     assert main_module.main([*model_args(models), *GENERATE]) == 1
     captured = capsys.readouterr()
-    assert "Loading" not in captured.out
+    assert captured.out == ""
     (line,) = captured.err.splitlines()
     assert line.startswith("error: ") and "more than the" in line and advice in line
 
@@ -519,4 +527,4 @@ def test_quantized_model_on_the_cpu_gets_a_note(hf_pair, models, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert generated_text(result.stdout) == expected
-    assert result.stderr.splitlines() == [main_module.CPU_QUANTIZED_NOTE]
+    assert result.stderr.splitlines().count(main_module.CPU_QUANTIZED_NOTE) == 1

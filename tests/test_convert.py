@@ -644,7 +644,7 @@ def test_cli_converts_and_prints_a_working_command(tmp_path, hf_checkpoint):
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
-    assert "Generation: " in run.stdout
+    assert "Generation: " in run.stderr
 
 
 def make_no_config(checkpoint: Path) -> None:
