@@ -15,11 +15,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
-# Before anything imports mlx: on Linux it loads an optimized BLAS, which MLX uses only if first.
-import blas  # noqa: F401  # isort: skip
 from cli import (
     NON_NEGATIVE,
     POSITIVE,
@@ -207,9 +206,21 @@ def check_memory(model_name: str, paths: list[Path], prompt_tokens: int, max_tok
     raise MemoryError(message)
 
 
-def run(args: argparse.Namespace) -> None:
+def stop_at_once(signum: int, frame) -> None:
+    """Ctrl-C before generation (or after it): end the run at once, with a
+    note. The KeyboardInterrupt Python would raise can land in an object's
+    ``__del__`` while modules import, where Python prints a traceback and
+    carries on."""
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate as ``args`` say; the exit status (130: interrupted)."""
     prompt = read_prompt(args.prompt)
     # mlx, transformers and the models load only once the arguments are known good.
+    # blas first: on Linux it loads an optimized BLAS, which MLX uses only if loaded before it.
+    import blas  # noqa: F401  # isort: skip
     import mlx.core as mx
 
     from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
@@ -240,39 +251,51 @@ def run(args: argparse.Namespace) -> None:
 
     printed, num_printed = "", 0
     result = None
-    for result in decoder.stream(
-        prompt,
-        speculative=not args.regular_decode,
-        max_tokens=args.max_tokens,
-        temp=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    ):
-        if result.text.startswith(printed):
-            text = new_text(result, decoder.tokenizer, printed, num_printed, show_draft)
-            print(text, end="", flush=True)
-            printed, num_printed = result.text, len(result.tokens)
+    interrupted = False
+    try:
+        # While generating, Ctrl-C stops it: the text so far and its summary are kept.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for result in decoder.stream(
+            prompt,
+            speculative=not args.regular_decode,
+            max_tokens=args.max_tokens,
+            temp=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        ):
+            if result.text.startswith(printed):
+                text = new_text(result, decoder.tokenizer, printed, num_printed, show_draft)
+                print(text, end="", flush=True)
+                printed, num_printed = result.text, len(result.tokens)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        signal.signal(signal.SIGINT, stop_at_once)
     print()
-    print_summary(result, decoder.drafting, args.num_draft)
+    if interrupted:
+        print("interrupted", file=sys.stderr)
+    if result is not None:
+        print_summary(result, decoder.drafting, args.num_draft)
+    return 130 if interrupted else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.draft_model_name == "none" and not args.prompt_lookup and not args.regular_decode:
-        parser.error(
-            "--draft-model-name none leaves nothing to draft with: add --prompt-lookup N "
-            "(N >= 1), or use --regular-decode"
-        )
+    previous_handler = signal.signal(signal.SIGINT, stop_at_once)
     try:
-        run(args)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.draft_model_name == "none" and not args.prompt_lookup and not args.regular_decode:
+            parser.error(
+                "--draft-model-name none leaves nothing to draft with: add --prompt-lookup N "
+                "(N >= 1), or use --regular-decode"
+            )
+        return run(args)
     except (ValueError, OSError, MemoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
 
 
 if __name__ == "__main__":

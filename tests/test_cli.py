@@ -9,6 +9,7 @@ import random
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -271,6 +272,73 @@ def test_drafting_modes_print_the_greedy_text_and_their_mode(
     drafting = DRAFTING.search(result.stderr)
     assert drafting, result.stderr
     assert drafting[1] == mode and drafting[2].startswith(draft_length)
+
+
+# Runs main.py (argv[2:]) as ``python main.py`` would, and sends the process
+# SIGINT, as Ctrl-C does, the first time it imports the module named argv[1].
+INTERRUPTED_AT_IMPORT = r"""
+import builtins, os, runpy, signal, sys
+
+target, main_py = sys.argv[1], sys.argv[2]
+real_import = builtins.__import__
+
+
+def interrupting_import(name, *args, **kwargs):
+    global target
+    if name == target:
+        target = None
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_import(name, *args, **kwargs)
+
+
+builtins.__import__ = interrupting_import
+sys.argv = sys.argv[2:]
+sys.path.insert(0, os.path.dirname(main_py))
+runpy.run_path(main_py, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("module", ["blas", "transformers"])
+def test_ctrl_c_while_importing_says_interrupted(module, models, tmp_path):
+    """Ctrl-C during the imports: exit status 130 and one "interrupted" line,
+    never a traceback (blas is imported first, transformers last and slowest)."""
+    result = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_AT_IMPORT, module, str(MAIN_PY), *model_args(models)],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert (result.returncode, result.stderr, result.stdout) == (130, "interrupted\n", "")
+
+
+def test_ctrl_c_while_generating_keeps_the_text_and_summary(models, tmp_path):
+    """Ctrl-C once text is streaming: the line ended, "interrupted" and the
+    summary of what was generated on stderr, exit status 130, no traceback."""
+    main_dir, _ = models
+    process = subprocess.Popen(
+        [sys.executable, str(MAIN_PY), "--model-name", str(main_dir), "--regular-decode"]
+        + ["--prompt", PROMPT, "-m", "1000000"],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = process.stdout.read(1)  # generation has started
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    text = generated_text(first + stdout)
+    lines = stderr.splitlines()
+    assert lines[1:3] == ["interrupted", SEPARATOR], stderr
+    assert stats(stderr)[0] >= len(text.split()) > 0
 
 
 def test_drafting_summary_says_which_g_ran():
