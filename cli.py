@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -27,6 +28,13 @@ CONVERTED_FILES = frozenset(
         "spiece.model",
     }
 )
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' advisory warnings, such as that PyTorch was not
+    found: the commands use only its tokenizers, which need no PyTorch (the
+    README's install has none). Call before transformers is imported."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 class ArgumentParser(argparse.ArgumentParser):

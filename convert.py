@@ -28,7 +28,14 @@ import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 from mlx import nn
 
-from cli import ArgumentParser, default_output, is_converted, read_config, written_by_convert
+from cli import (
+    ArgumentParser,
+    default_output,
+    is_converted,
+    quiet_transformers,
+    read_config,
+    written_by_convert,
+)
 from model import T5, ModelArgs, quantizable_layers
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -450,6 +457,7 @@ def convert(
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_transformers()
     parser = ArgumentParser(description="Convert a Hugging Face T5 checkpoint to MLX.")
     parser.add_argument(
         "--model",

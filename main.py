@@ -26,6 +26,7 @@ from cli import (
     ArgumentParser,
     checked,
     num_draft,
+    quiet_transformers,
     read_prompt,
     resolve_model,
 )
@@ -282,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     previous_handler = signal.signal(signal.SIGINT, stop_at_once)
+    quiet_transformers()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

@@ -162,6 +162,44 @@ def test_speculative_run_prints_greedy_text_and_stats(models, greedy_reference, 
     assert percent == pytest.approx(100 * accepted / proposed, abs=0.05)
 
 
+# Runs a script (argv[1], with the arguments after it) as ``python SCRIPT``
+# would, where torch cannot be imported: the README's install has none.
+WITHOUT_TORCH = r"""
+import os, runpy, sys
+
+sys.modules["torch"] = None  # importlib.util.find_spec("torch") is None now
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_without_torch_no_pytorch_advice(hf_pair, greedy_reference, tmp_path):
+    """As installed by the README (no torch), convert.py and main.py work and
+    print nothing about PyTorch: they use only transformers' tokenizers."""
+    out = tmp_path / "main"
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    conversion, generation = (
+        subprocess.run(
+            [sys.executable, "-c", WITHOUT_TORCH, str(ROOT / script), *args],
+            cwd=tmp_path,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        for script, args in [
+            ("convert.py", ["--model", str(hf_pair[0]), "--out", str(out), "--dtype", "float32"]),
+            ("main.py", ["--model-name", str(out), "--regular-decode", *GENERATE]),
+        ]
+    )
+    for result in (conversion, generation):
+        assert result.returncode == 0, result.stderr
+        assert "PyTorch" not in result.stderr
+    assert generated_text(generation.stdout) == greedy_reference.text
+
+
 def test_prompt_from_standard_input(models, greedy_reference, tmp_path):
     """``--prompt -`` reads the prompt from standard input; the summary counts its tokens."""
     command = [sys.executable, str(MAIN_PY), *model_args(models), "--prompt", "-"]
