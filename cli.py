@@ -37,8 +37,24 @@ def quiet_transformers() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option's text with its default, unless it has none
+    (None, or off for a flag) or the text already tells it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or action.default is False:
+            return text
+        return text if "default" in text else f"{text} (default: %(default)s)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (no usage text), exit status 2."""
+    """An argument parser whose errors are one line (no usage text), exit
+    status 2, and whose help shows the defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: {message}\n")

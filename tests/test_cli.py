@@ -390,6 +390,13 @@ def test_drafting_summary_says_which_g_ran():
     assert summary == "Drafting: draft model, g auto: no round drafted"
 
 
+def test_help_shows_the_defaults():
+    help_text = " ".join(main_module.build_parser().format_help().split())
+    for default in ("t5-11b", "t5-small", "5", "100", "0.0", "1.0", "0"):
+        assert f"(default: {default})" in help_text
+    assert "(default: None)" not in help_text and "(default: False)" not in help_text
+
+
 def test_model_names_resolve_under_mlx_models(models, greedy_reference, tmp_path):
     """``NAME`` -> mlx_models/NAME and ``org/NAME`` -> mlx_models/org-NAME, from the cwd."""
     main_dir, draft_dir = models
