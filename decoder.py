@@ -443,7 +443,7 @@ def check_draft_compatible(
                 f"{field} is {draft_value} in the draft and {main_value} in the main model"
             )
     if main_vocab is not None and draft_vocab is not None and main_vocab != draft_vocab:
-        differing = len(set(main_vocab.items()) ^ set(draft_vocab.items()))
+        differing = len({index for _, index in main_vocab.items() ^ draft_vocab.items()})
         raise IncompatibleDraftError(
             f"draft model {draft_name} does not match main model {main_name}: "
             f"their tokenizers differ in {differing} vocabulary entries"
