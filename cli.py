@@ -99,6 +99,11 @@ def num_draft(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1 or auto") from None
 
 
+def format_bytes(size: float) -> str:
+    """``size`` bytes in GB, or in MB below 0.1 GB."""
+    return f"{size / 1e9:.3f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
+
+
 def is_converted(path: Path) -> bool:
     """Whether ``path`` holds a converted model: config.json and weights.npz."""
     return (path / "config.json").is_file() and (path / "weights.npz").is_file()

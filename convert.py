@@ -31,6 +31,7 @@ from mlx import nn
 from cli import (
     ArgumentParser,
     default_output,
+    format_bytes,
     is_converted,
     quiet_transformers,
     read_config,
@@ -442,12 +443,12 @@ def convert(
     try:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(str(staging))
-        size_gb = sum(w.nbytes for w in weights.values()) / 1e9
+        size = format_bytes(sum(w.nbytes for w in weights.values()))
         precision = dtype
         if quantization:
             precision += f", {len(layers)} layers {quantization['bits']}-bit {quantization['mode']}"
             precision += f" in groups of {quantization['group_size']}"
-        print(f"writing {len(weights)} tensors ({size_gb:.2f} GB, {precision})", flush=True)
+        print(f"writing {len(weights)} tensors ({size}, {precision})", flush=True)
         mx.savez(str(staging / "weights.npz"), **weights)
         check_output(out, model, force)  # again: something may have appeared there meanwhile
         move_into_place(staging, out)

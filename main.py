@@ -25,6 +25,7 @@ from cli import (
     SEED,
     ArgumentParser,
     checked,
+    format_bytes,
     num_draft,
     quiet_transformers,
     read_prompt,
@@ -92,10 +93,6 @@ def build_parser() -> ArgumentParser:
     add("--regular-decode", action="store_true", help="decode with the main model alone")
     add("--show-draft", action="store_true", help="colour accepted draft tokens on a terminal")
     return parser
-
-
-def format_bytes(size: float) -> str:
-    return f"{size / 1e9:.3f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
 
 
 def drafting_summary(result, drafting: str, num_draft: int | str) -> str:

@@ -6,6 +6,7 @@ import http.server
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -156,6 +157,16 @@ def test_default_output_of_a_local_directory(tmp_path, monkeypatch):
     assert convert.default_output(str(checkpoint)) == Path("mlx_models/my-t5")
     monkeypatch.chdir(checkpoint)  # --model . is named after the directory, not mlx_models itself
     assert convert.default_output(".") == Path("mlx_models/my-t5")
+
+
+def test_small_conversions_report_their_size(tmp_path, hf_checkpoint, capsys):
+    """Not "0.00 GB": a size below 0.1 GB is given in MB."""
+    capsys.readouterr()
+    out = convert.convert(str(hf_checkpoint("relu_tied")), tmp_path / "out", "float32")
+    said = re.search(r"writing \d+ tensors \(([\d.]+) MB, float32\)", capsys.readouterr().out)
+    assert said, "no size in MB"
+    stored = sum(array.nbytes for array in mx.load(str(out / "weights.npz")).values())
+    assert float(said[1]) == pytest.approx(stored / 1e6, abs=0.005)
 
 
 # --- model_config ----------------------------------------------------------------
