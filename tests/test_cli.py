@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from fixtures import train_tokenizer
 
@@ -640,4 +641,19 @@ def test_quantized_model_on_the_cpu_gets_a_note(hf_pair, models, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert generated_text(result.stdout) == expected
-    assert result.stderr.splitlines().count(main_module.CPU_QUANTIZED_NOTE) == 1
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert notes == [main_module.CPU_QUANTIZED_NOTE]
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the note is for the CPU")
+def test_bfloat16_model_on_the_cpu_gets_a_note(converted, models, tmp_path):
+    """bfloat16 (convert.py's default) is slow on the CPU: one note says so;
+    float32 models get none."""
+    bfloat16, float32 = run_main_concurrently(
+        ["--model-name", str(converted("main", "bfloat16")), "--regular-decode", *GENERATE],
+        ["--model-name", str(models[0]), "--regular-decode", *GENERATE],
+        cwd=tmp_path,
+    )
+    for result, expected in ((bfloat16, [main_module.CPU_HALF_NOTE]), (float32, [])):
+        assert result.returncode == 0, result.stderr
+        assert [line for line in result.stderr.splitlines() if line.startswith("note:")] == expected
