@@ -456,6 +456,31 @@ def test_checkpoint_directory_advice_works_when_followed(hf_pair, converted, tmp
     assert f"using its conversion {out}" in by_checkpoint.stderr
 
 
+def test_readme_python_snippet_runs_outside_the_repository(models, tmp_path):
+    """The README's first Python snippet, run as the README says from another
+    directory (the root on PYTHONPATH), with the tiny pair as its models."""
+    readme = (ROOT / "README.md").read_text()
+    said, snippet = re.search(
+        r"From Python \((.*?)\):\n\n```python\n(.*?)```", readme, re.DOTALL
+    ).groups()
+    assert "PYTHONPATH=/path/to/this/repository python script.py" in " ".join(said.split())
+    (tmp_path / "mlx_models").mkdir()
+    for name, directory in zip(("t5-11b", "t5-small"), models):
+        (tmp_path / "mlx_models" / name).symlink_to(directory, target_is_directory=True)
+    (tmp_path / "script.py").write_text(snippet)
+    result = subprocess.run(
+        [sys.executable, "script.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+
+
 # --- bad input -----------------------------------------------------------------
 
 
