@@ -826,12 +826,12 @@ def test_model_in_the_hub_cache_converts_without_the_hub(
 )
 def test_hub_failures_are_told_apart_at_once(answer, expected, hub, tmp_path, monkeypatch, capsys):
     """What the hub answered, or that it could not be asked, in one line,
-    without retrying (the file listing's retries took ~24 s offline)."""
+    without retrying (the file listing's retries slept 23 s before giving up)."""
     hub(*answer)
     monkeypatch.chdir(tmp_path)
     tic = time.monotonic()
     code, err = convert_cli(capsys, "--model", HUB_MODEL)
-    assert time.monotonic() - tic < 10
+    assert time.monotonic() - tic < 20  # well under a second, but the machine may be busy
     assert code != 0
     message = assert_one_line_error(err)
     assert expected in message and HUB_MODEL in message
