@@ -1,4 +1,5 @@
-"""Command-line helpers shared by main.py, convert.py and the benchmark tools.
+"""Command-line helpers shared by main.py, convert.py and the benchmark tools
+(and the seed check, by the decoder too).
 
 Nothing here imports mlx, so a command can check its arguments before the
 (slow) imports and before anything is loaded.
@@ -7,12 +8,53 @@ Nothing here imports mlx, so a command can check its arguments before the
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import os
+import shlex
 import sys
 from pathlib import Path
 
+# Every name convert.py writes into a model directory: the weights, config.json
+# and the tokenizer's files (those any transformers version saves for T5).
+CONVERTED_FILES = frozenset(
+    {
+        "weights.npz",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "spiece.model",
+    }
+)
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' advisory warnings, such as that PyTorch was not
+    found: the commands use only its tokenizers, which need no PyTorch (the
+    README's install has none). Call before transformers is imported."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option's text with its default, unless it has none
+    (None, or off for a flag) or the text already tells it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or action.default is False:
+            return text
+        return text if "default" in text else f"{text} (default: %(default)s)"
+
 
 class ArgumentParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (no usage text), exit status 2."""
+    """An argument parser whose errors are one line (no usage text), exit
+    status 2, and whose help shows the defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: {message}\n")
@@ -36,6 +78,16 @@ def checked(kind: type, condition, requirement: str):
 POSITIVE = checked(int, lambda n: n >= 1, ">= 1")
 NON_NEGATIVE = checked(int, lambda n: n >= 0, ">= 0")
 
+SEEDS = "an integer in [0, 2**64)"  # what mx.random.seed takes
+
+
+def is_seed(value: object) -> bool:
+    """Whether ``value`` is one of SEEDS (the decoder checks seeds with this too)."""
+    return isinstance(value, int) and 0 <= value < 2**64
+
+
+SEED = checked(int, is_seed, SEEDS)
+
 
 def num_draft(text: str) -> int | str:
     """An argparse type: draft tokens per round, >= 1, or ``auto``."""
@@ -47,13 +99,103 @@ def num_draft(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1 or auto") from None
 
 
+def format_bytes(size: float) -> str:
+    """``size`` bytes in GB, or in MB below 0.1 GB."""
+    return f"{size / 1e9:.3f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
+
+
+def is_converted(path: Path) -> bool:
+    """Whether ``path`` holds a converted model: config.json and weights.npz."""
+    return (path / "config.json").is_file() and (path / "weights.npz").is_file()
+
+
+def read_config(path: Path) -> dict:
+    """The JSON object in ``path/config.json``; empty if there is none."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def written_by_convert(path: Path) -> bool:
+    """Whether ``path`` is a directory convert.py wrote, with nothing added:
+    a converted model whose config.json names its source (``converted_from``)
+    or, written before convert.py recorded that, is a T5 config, and no
+    files but CONVERTED_FILES."""
+    if path.is_symlink() or not is_converted(path):
+        return False
+    if any(entry.name not in CONVERTED_FILES or not entry.is_file() for entry in path.iterdir()):
+        return False
+    config = read_config(path)
+    return "converted_from" in config or config.get("model_type") == "t5"
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face checkpoint directory: config.json
+    and safetensors or PyTorch weights."""
+    weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    return (path / "config.json").is_file() and weights
+
+
+def default_output(model: str, quantization: dict | None = None) -> Path:
+    """Where convert.py writes ``model`` unless ``--out`` says otherwise: the
+    mlx-community names, ``<name>-4bit`` (affine) or ``<name>-mxfp4``, when quantized."""
+    name = Path(model).resolve().name if Path(model).is_dir() else model.replace("/", "-")
+    if quantization:
+        mode = quantization["mode"]
+        name += f"-{quantization['bits']}bit" if mode == "affine" else f"-{mode}"
+    return Path("mlx_models") / name
+
+
+def conversions_of(checkpoint: Path) -> list[Path]:
+    """The conversions of the directory ``checkpoint`` in mlx_models/, told
+    by the source their config.json records."""
+    source = str(checkpoint.resolve())
+    return sorted(
+        path
+        for path in Path("mlx_models").glob("*")
+        if is_converted(path) and read_config(path).get("converted_from") == source
+    )
+
+
+def free_output(checkpoint: Path) -> Path:
+    """convert.py's default output for ``checkpoint`` or, where something else
+    is, the first free ``<name>-2``, ``<name>-3``, ..."""
+    out = default_output(str(checkpoint))
+    numbered = (out.with_name(f"{out.name}-{number}") for number in itertools.count(2))
+    candidates = itertools.chain([out], numbered)
+    return next(path for path in candidates if not path.exists() and not path.is_symlink())
+
+
 def resolve_model(name: str) -> Path:
-    """A directory written by convert.py: ``name`` itself, or ``mlx_models/<name>``."""
+    """A directory written by convert.py: ``name`` itself, ``mlx_models/<name>``
+    or, for a Hugging Face checkpoint directory, its one conversion in
+    mlx_models/ (said on standard error). Otherwise ``FileNotFoundError``
+    with the convert.py command to run and what to give afterwards."""
     for path in (Path(name), Path("mlx_models") / name.replace("/", "-")):
-        if (path / "config.json").is_file() and (path / "weights.npz").is_file():
+        if is_converted(path):
             return path
+    if not is_checkpoint(Path(name)):
+        raise FileNotFoundError(
+            f"model {name!r} is not converted; run: python convert.py --model {name}"
+        )
+    conversions = conversions_of(Path(name))
+    if len(conversions) == 1:
+        print(
+            f"{name} is a Hugging Face checkpoint: using its conversion {conversions[0]}",
+            file=sys.stderr,
+        )
+        return conversions[0]
+    if conversions:
+        raise FileNotFoundError(
+            f"{name} is a Hugging Face checkpoint converted more than once "
+            f"({', '.join(map(str, conversions))}): give one of those instead"
+        )
+    out = free_output(Path(name))
     raise FileNotFoundError(
-        f"model {name!r} is not converted; run: python convert.py --model {name}"
+        f"{name} is a Hugging Face checkpoint, not converted yet; run: python convert.py "
+        f"--model {shlex.quote(name)} --out {shlex.quote(str(out))}, then give {out} in its place"
     )
 
 

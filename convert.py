@@ -4,9 +4,11 @@
     python convert.py --model google/flan-t5-large --dtype bfloat16
     python convert.py --model path/to/hf_checkpoint --out mlx_models/mine
     python convert.py --model t5-11b -q                 # 4-bit: mlx_models/t5-11b-4bit
+    python convert.py --model t5-small --dtype float32 --force   # replace mlx_models/t5-small
 
 The output directory holds ``weights.npz`` (MLX parameter names),
 ``config.json`` and the tokenizer files, so running needs no network.
+convert.py never deletes or replaces what it did not write.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 from mlx import nn
 
-from cli import ArgumentParser
+from cli import (
+    ArgumentParser,
+    default_output,
+    format_bytes,
+    is_converted,
+    quiet_transformers,
+    read_config,
+    written_by_convert,
+)
 from model import T5, ModelArgs, quantizable_layers
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -80,34 +90,116 @@ def quantization_settings(bits: int | None, group_size: int | None, mode: str) -
     return {"group_size": group_size, "bits": bits, "mode": mode}
 
 
-def default_output(model: str, quantization: dict | None = None) -> Path:
-    """Where ``model`` is written unless ``--out`` says otherwise: the
-    mlx-community names, ``<name>-4bit`` (affine) or ``<name>-mxfp4``, when quantized."""
-    name = Path(model).name if Path(model).is_dir() else model.replace("/", "-")
-    if quantization:
-        mode = quantization["mode"]
-        name += f"-{quantization['bits']}bit" if mode == "affine" else f"-{mode}"
-    return Path("mlx_models") / name
+def check_output(out: Path, model: str, force: bool) -> None:
+    """Refuse an ``out`` whose replacement could lose what convert.py did not
+    write: the checkpoint ``model`` itself, a directory inside it or holding
+    it, or an existing path other than convert.py's output (an empty
+    directory holds nothing to lose); an earlier conversion only with ``force``."""
+    if Path(model).is_dir():
+        source, target = Path(model).resolve(), out.resolve()
+        if target == source or source in target.parents or target in source.parents:
+            raise ValueError(
+                f"the output {out} and the checkpoint {model} overlap; "
+                "choose an output directory outside the checkpoint with --out"
+            )
+    if not out.is_symlink() and (not out.exists() or out.is_dir() and not any(out.iterdir())):
+        return  # nothing there to lose
+    if not written_by_convert(out):
+        raise ValueError(
+            f"{out} exists and is not a model directory convert.py wrote; "
+            "nothing was changed: choose another directory with --out"
+        )
+    if not force:
+        source = read_config(out).get("converted_from")
+        raise ValueError(
+            f"{out} already holds a conversion{f' of {source}' if source else ''}; "
+            "add --force to replace it, or choose another directory with --out"
+        )
+
+
+def move_into_place(staging: Path, out: Path) -> None:
+    """Rename ``staging`` to ``out``. An earlier ``out`` (checked by
+    ``check_output``) is moved aside first and deleted only once the new one
+    is in place, so a failure keeps it."""
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+    os.replace(out, aside)
+    try:
+        os.replace(staging, out)
+    except BaseException:
+        os.replace(aside, out)
+        raise
+    shutil.rmtree(aside)
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an error's message (hub errors span many)."""
+    return next((line for line in str(error).splitlines() if line.strip()), "")
 
 
 def fetch_checkpoint(model: str) -> Path:
-    """A local checkpoint directory, or a Hugging Face hub id downloaded to the hub cache."""
+    """A local checkpoint directory, or a Hugging Face hub id: its files in the
+    hub cache, downloaded when the hub is reachable, else those the cache
+    holds (with ``HF_HUB_OFFLINE=1``, the hub is not asked at all).
+    ``ValueError`` tells apart no such model, a gated one, a refusal, no
+    network and offline mode."""
     if Path(model).is_dir():
         return Path(model)
-    from huggingface_hub import list_repo_files, snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
+    print(f"Fetching {model} from the Hugging Face Hub or its cache ...", flush=True)
     try:
-        files = list_repo_files(model)
-        patterns = list(DOWNLOAD_PATTERNS)
-        if not any(f.endswith(".safetensors") for f in files):
-            patterns.append("*.bin")
-        print(f"Downloading {model} from the Hugging Face Hub ...", flush=True)
-        return Path(snapshot_download(model, allow_patterns=patterns))
-    except Exception as error:  # noqa: BLE001 - the hub client raises many kinds, all fatal here
+        checkpoint = Path(snapshot_download(model, allow_patterns=DOWNLOAD_PATTERNS))
+        if not any(checkpoint.glob("*.safetensors")):  # an older checkpoint: PyTorch weights only
+            checkpoint = Path(snapshot_download(model, allow_patterns=["*.bin"]))
+    except HFValidationError:
+        raise ValueError(f"{model!r} is neither a local directory nor a hub model id") from None
+    except GatedRepoError:
+        raise ValueError(
+            f"{model!r} is gated on the Hugging Face Hub: accept its conditions at "
+            f"https://huggingface.co/{model}, then log in with: hf auth login"
+        ) from None
+    except RepositoryNotFoundError:
         raise ValueError(
             f"{model!r} is neither a local directory nor a model on the Hugging Face Hub "
-            f"that can be downloaded ({type(error).__name__}: {str(error).splitlines()[0]})"
+            "(the hub has no such repository; a private one needs: hf auth login)"
         ) from None
+    except HfHubHTTPError as error:  # e.g. a token the hub does not accept
+        raise ValueError(
+            f"the Hugging Face Hub refused {model!r} ({first_line(error)}); "
+            "check your login: hf auth login"
+        ) from None
+    except LocalEntryNotFoundError as error:  # the hub was not asked or did not answer
+        cause = error.__cause__
+        if constants.HF_HUB_OFFLINE:
+            reason = "HF_HUB_OFFLINE=1 forbids downloading it"
+        elif isinstance(cause, HfHubHTTPError):
+            reason = f"the Hugging Face Hub failed ({first_line(cause)}); try again later"
+        else:
+            reason = (
+                f"the Hugging Face Hub cannot be reached ({first_line(cause or error)}): check "
+                "the network, or give a local checkpoint directory (HF_HUB_OFFLINE=1 converts "
+                "models the cache holds without asking the hub)"
+            )
+        raise ValueError(
+            f"{model!r} is neither a local directory nor (completely) in the Hugging Face "
+            f"cache, and {reason}"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - a download can fail in many ways, all fatal here
+        raise ValueError(
+            f"downloading {model!r} from the Hugging Face Hub failed "
+            f"({type(error).__name__}: {first_line(error)})"
+        ) from None
+    return checkpoint
 
 
 def weight_files(checkpoint: Path) -> list[Path]:
@@ -290,17 +382,28 @@ def convert_tensors(
 
 
 def convert(
-    model: str, out: Path, dtype: str = "bfloat16", quantization: dict | None = None
+    model: str,
+    out: Path,
+    dtype: str = "bfloat16",
+    quantization: dict | None = None,
+    force: bool = False,
 ) -> Path:
     """Convert ``model`` (hub id or local directory) into ``out``; returns ``out``.
 
     ``quantization`` (``{"group_size", "bits", "mode"}``, see
     ``quantization_settings``) quantizes the layers ``quantizable_layers``
     names; the rest is cast to ``dtype``, which also sets the type of the
-    quantization scales. The result appears all at once: it is assembled in
+    quantization scales. An existing ``out`` is refused before any work
+    unless it is empty or, with ``force``, an earlier conversion (see
+    ``check_output``). The result appears all at once: it is assembled in
     a temporary directory beside ``out`` and renamed into place, so an
     interrupted run leaves no directory that looks converted.
     """
+    if is_converted(Path(model)):
+        raise ValueError(
+            f"{model} is already converted; use it as it is: python main.py --model-name {model}"
+        )
+    check_output(out, model, force)
     checkpoint = fetch_checkpoint(model)
     config_file = checkpoint / "config.json"
     if not config_file.is_file():
@@ -316,6 +419,8 @@ def convert(
     config = model_config(hf_config, "lm_head.weight" in tensors)
     check_shapes(checkpoint, config, tensors)
     config["dtype"] = dtype  # for main.py's memory estimate; loading reads the weights' own
+    # Marks the output as convert.py's (see cli.written_by_convert) and names its source.
+    config["converted_from"] = str(Path(model).resolve()) if Path(model).is_dir() else model
     layers = set()
     if quantization:
         group_size = quantization["group_size"]
@@ -338,22 +443,22 @@ def convert(
     try:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(str(staging))
-        size_gb = sum(w.nbytes for w in weights.values()) / 1e9
+        size = format_bytes(sum(w.nbytes for w in weights.values()))
         precision = dtype
         if quantization:
             precision += f", {len(layers)} layers {quantization['bits']}-bit {quantization['mode']}"
             precision += f" in groups of {quantization['group_size']}"
-        print(f"writing {len(weights)} tensors ({size_gb:.2f} GB, {precision})", flush=True)
+        print(f"writing {len(weights)} tensors ({size}, {precision})", flush=True)
         mx.savez(str(staging / "weights.npz"), **weights)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
+        check_output(out, model, force)  # again: something may have appeared there meanwhile
+        move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_transformers()
     parser = ArgumentParser(description="Convert a Hugging Face T5 checkpoint to MLX.")
     parser.add_argument(
         "--model",
@@ -368,6 +473,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(DTYPES),
         default="bfloat16",
         help="type of the floating-point parameters and scales (default: bfloat16)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an earlier conversion in the output directory (never anything else)",
     )
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize the weights")
     parser.add_argument(
@@ -395,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--q-bits, --q-group-size and --q-mode need -q/--quantize")
     out = args.out or default_output(args.model, quantization)
     try:
-        convert(args.model, out, args.dtype, quantization)
+        convert(args.model, out, args.dtype, quantization, args.force)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

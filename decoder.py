@@ -33,6 +33,7 @@ from pathlib import Path
 import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 
+from cli import SEEDS, is_seed
 from drafting import (
     MAX_AUTO_DRAFT,
     Draft,
@@ -63,12 +64,12 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self):
-        if self.temp < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temp}")
+        if not 0 <= self.temp < float("inf"):  # nan fails this too
+            raise ValueError(f"temperature must be a number >= 0, got {self.temp}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top-k must be an integer >= 0, got {self.top_k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -236,7 +237,7 @@ def check_draft_compatible(
                 f"{field} is {draft_value} in the draft and {main_value} in the main model"
             )
     if main_vocab is not None and draft_vocab is not None and main_vocab != draft_vocab:
-        differing = len(set(main_vocab.items()) ^ set(draft_vocab.items()))
+        differing = len({index for _, index in main_vocab.items() ^ draft_vocab.items()})
         raise IncompatibleDraftError(
             f"draft model {draft_name} does not match main model {main_name}: "
             f"their tokenizers differ in {differing} vocabulary entries"
@@ -280,8 +281,8 @@ class SpeculativeDecoder:
             raise ValueError(f"num_draft must be >= 1 or 'auto', got {num_draft!r}")
         if not 0 <= delta <= 1:
             raise ValueError(f"delta must be in [0, 1], got {delta}")
-        if prompt_lookup < 0:
-            raise ValueError(f"prompt_lookup must be >= 0, got {prompt_lookup}")
+        if not (isinstance(prompt_lookup, int) and prompt_lookup >= 0):
+            raise ValueError(f"prompt_lookup must be an integer >= 0, got {prompt_lookup!r}")
         if draft_model is not None:
             check_draft_compatible(model.args, draft_model.args)
         self.model = model
@@ -376,8 +377,8 @@ class SpeculativeDecoder:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         if not (isinstance(max_tokens, int) and max_tokens >= 1):
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
-        if seed is not None and not (isinstance(seed, int) and seed >= 0):
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        if seed is not None and not is_seed(seed):
+            raise ValueError(f"seed must be {SEEDS}, got {seed!r}")
         sampling = Sampling(temp, top_p, top_k)
         speculative = speculative and self.drafting != "none"
         queue = deque(enumerate(map(self._prompt_ids, prompts)))

@@ -4,6 +4,9 @@ python main.py                                   # t5-11b with a t5-small draft
 python main.py --prompt "summarize: ..." --num-draft 3 --delta 0.1
 python main.py --regular-decode                  # the main model alone
 python main.py --draft-model-name none --prompt-lookup 3 --num-draft auto --show-draft
+
+Standard output is the generated text alone; everything else (Loading lines,
+notes, the summary) goes to standard error, so the text can be piped.
 """
 
 from __future__ import annotations
@@ -12,17 +15,19 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
-# Before anything imports mlx: on Linux it loads an optimized BLAS, which MLX uses only if first.
-import blas  # noqa: F401  # isort: skip
 from cli import (
     NON_NEGATIVE,
     POSITIVE,
+    SEED,
     ArgumentParser,
     checked,
+    format_bytes,
     num_draft,
+    quiet_transformers,
     read_prompt,
     resolve_model,
 )
@@ -33,6 +38,10 @@ CPU_QUANTIZED_NOTE = (
     "note: on the CPU, MLX's quantized matrix products slow down with every row, so prompt "
     "processing and speculative verify passes are many times slower than in float32; "
     "for speed here, convert with --dtype float32 and no -q (see README, Linux)"
+)
+CPU_HALF_NOTE = (
+    "note: on the CPU, MLX's bfloat16 and float16 matrix products are about half as fast as "
+    "its float32 ones; for speed here, convert with --dtype float32 (see README, Linux)"
 )
 # Accepted draft tokens, with --show-draft on a terminal.
 DRAFT_COLOUR, RESET = "\033[32m", "\033[0m"
@@ -84,14 +93,10 @@ def build_parser() -> ArgumentParser:
         help="nucleus mass",
     )
     add("--top-k", type=NON_NEGATIVE, default=0, help="sample among the k likeliest (0: all)")
-    add("--seed", type=int, default=0, help="random seed for sampling")
+    add("--seed", type=SEED, default=0, help="random seed for sampling")
     add("--regular-decode", action="store_true", help="decode with the main model alone")
     add("--show-draft", action="store_true", help="colour accepted draft tokens on a terminal")
     return parser
-
-
-def format_bytes(size: float) -> str:
-    return f"{size / 1e9:.3f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
 
 
 def drafting_summary(result, drafting: str, num_draft: int | str) -> str:
@@ -110,20 +115,24 @@ def drafting_summary(result, drafting: str, num_draft: int | str) -> str:
 
 
 def print_summary(result, drafting: str, num_draft: int | str) -> None:
-    """The numbers of a run, in mlx-lm's layout: prompt and generation apart."""
+    """The numbers of a run, in mlx-lm's layout (prompt and generation apart),
+    on standard error: standard output is the generated text alone."""
     import mlx.core as mx
 
-    print("=" * 40)
-    print(f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tokens_per_second:.1f} tokens/s")
-    print(f"Generation: {len(result.tokens)} tokens, {result.tokens_per_second:.1f} tokens/s")
-    print(f"Main-model passes: {result.n_steps}")
+    lines = [
+        "=" * 40,
+        f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tokens_per_second:.1f} tokens/s",
+        f"Generation: {len(result.tokens)} tokens, {result.tokens_per_second:.1f} tokens/s",
+        f"Main-model passes: {result.n_steps}",
+    ]
     if drafting != "none":
-        print(
+        lines.append(
             f"Draft tokens accepted: {result.n_accepted}/{result.n_draft} "
             f"({100 * result.acceptance_rate:.1f}%)"
         )
-        print(drafting_summary(result, drafting, num_draft))
-    print(f"Peak memory: {format_bytes(mx.get_peak_memory())}")
+        lines.append(drafting_summary(result, drafting, num_draft))
+    lines.append(f"Peak memory: {format_bytes(mx.get_peak_memory())}")
+    print("\n".join(lines), file=sys.stderr)
 
 
 def new_text(result, tokenizer, printed: str, num_printed: int, show_draft: bool) -> str:
@@ -199,9 +208,21 @@ def check_memory(model_name: str, paths: list[Path], prompt_tokens: int, max_tok
     raise MemoryError(message)
 
 
-def run(args: argparse.Namespace) -> None:
+def stop_at_once(signum: int, frame) -> None:
+    """Ctrl-C before generation (or after it): end the run at once, with a
+    note. The KeyboardInterrupt Python would raise can land in an object's
+    ``__del__`` while modules import, where Python prints a traceback and
+    carries on."""
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate as ``args`` say; the exit status (130: interrupted)."""
     prompt = read_prompt(args.prompt)
     # mlx, transformers and the models load only once the arguments are known good.
+    # blas first: on Linux it loads an optimized BLAS, which MLX uses only if loaded before it.
+    import blas  # noqa: F401  # isort: skip
     import mlx.core as mx
 
     from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
@@ -215,10 +236,13 @@ def run(args: argparse.Namespace) -> None:
     check_memory(args.model_name, paths, len(tokenizer(prompt).input_ids), args.max_tokens)
     models = []
     for path, role in zip(paths, ("", "draft ")):
-        print(f"Loading {role}{path}", flush=True)
+        print(f"Loading {role}{path}", file=sys.stderr)
         models.append(load_model(path))
-    if any(model.args.quantization for model in models) and mx.default_device() == mx.cpu:
-        print(CPU_QUANTIZED_NOTE, file=sys.stderr)
+    if mx.default_device() == mx.cpu:
+        if any(model.args.quantization for model in models):
+            print(CPU_QUANTIZED_NOTE, file=sys.stderr)
+        elif any(model.dtype != mx.float32 for model in models):
+            print(CPU_HALF_NOTE, file=sys.stderr)
     decoder = SpeculativeDecoder(
         models[0],
         models[1] if len(models) > 1 else None,
@@ -232,39 +256,52 @@ def run(args: argparse.Namespace) -> None:
 
     printed, num_printed = "", 0
     result = None
-    for result in decoder.stream(
-        prompt,
-        speculative=not args.regular_decode,
-        max_tokens=args.max_tokens,
-        temp=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    ):
-        if result.text.startswith(printed):
-            text = new_text(result, decoder.tokenizer, printed, num_printed, show_draft)
-            print(text, end="", flush=True)
-            printed, num_printed = result.text, len(result.tokens)
+    interrupted = False
+    try:
+        # While generating, Ctrl-C stops it: the text so far and its summary are kept.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for result in decoder.stream(
+            prompt,
+            speculative=not args.regular_decode,
+            max_tokens=args.max_tokens,
+            temp=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        ):
+            if result.text.startswith(printed):
+                text = new_text(result, decoder.tokenizer, printed, num_printed, show_draft)
+                print(text, end="", flush=True)
+                printed, num_printed = result.text, len(result.tokens)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        signal.signal(signal.SIGINT, stop_at_once)
     print()
-    print_summary(result, decoder.drafting, args.num_draft)
+    if interrupted:
+        print("interrupted", file=sys.stderr)
+    if result is not None:
+        print_summary(result, decoder.drafting, args.num_draft)
+    return 130 if interrupted else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.draft_model_name == "none" and not args.prompt_lookup and not args.regular_decode:
-        parser.error(
-            "--draft-model-name none leaves nothing to draft with: add --prompt-lookup N "
-            "(N >= 1), or use --regular-decode"
-        )
+    previous_handler = signal.signal(signal.SIGINT, stop_at_once)
+    quiet_transformers()
     try:
-        run(args)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.draft_model_name == "none" and not args.prompt_lookup and not args.regular_decode:
+            parser.error(
+                "--draft-model-name none leaves nothing to draft with: add --prompt-lookup N "
+                "(N >= 1), or use --regular-decode"
+            )
+        return run(args)
     except (ValueError, OSError, MemoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,14 @@ import os
 import pty
 import random
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from fixtures import train_tokenizer
 
@@ -75,33 +78,36 @@ def run_main_concurrently(*arg_lists: list[str], cwd: Path) -> list[subprocess.C
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess) -> str:
-    """A failed run whose stderr is exactly one ``error:`` line; returns that line."""
+    """A failed run whose stderr, after any "Loading ..." lines, is exactly one
+    ``error:`` line; returns that line."""
     assert result.returncode != 0, f"main.py accepted bad input; its output:\n{result.stdout}"
     assert "Traceback" not in result.stderr, f"main.py crashed:\n{result.stderr}"
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, f"greedy_reference one error line, got:\n{result.stderr}"
+    lines = [
+        line
+        for line in result.stderr.splitlines()
+        if line.strip() and not line.startswith("Loading ")
+    ]
+    assert len(lines) == 1, f"expected one error line, got:\n{result.stderr}"
     assert lines[0].startswith("error:"), result.stderr
     return lines[0]
 
 
 def generated_text(stdout: str) -> str:
-    """The text main.py printed between the last "Loading ..." line and the stats."""
-    lines = stdout.split(SEPARATOR)[0].split("\n")
-    last_loading = max(i for i, line in enumerate(lines) if line.startswith("Loading "))
-    text = "\n".join(lines[last_loading + 1 :])
-    assert text.endswith("\n"), stdout
-    return text[:-1]
+    """The text main.py generated: its whole standard output, less the newline ending it."""
+    assert stdout.endswith("\n") and SEPARATOR not in stdout, stdout
+    return stdout[:-1]
 
 
-def stats(stdout: str) -> tuple[int, float, int]:
-    """(tokens generated, generation tokens/s, main-model passes) from main.py's output,
-    after checking the prompt and peak-memory lines."""
-    match = STATS.search(stdout)
-    assert match, stdout
+def stats(stderr: str) -> tuple[int, float, int]:
+    """(tokens generated, generation tokens/s, main-model passes) from the
+    summary main.py writes to standard error, after checking the prompt and
+    peak-memory lines."""
+    match = STATS.search(stderr)
+    assert match, stderr
     prompt_tokens, prompt_tokens_per_second = int(match[1]), float(match[2])
-    assert prompt_tokens > 0 and prompt_tokens_per_second > 0, stdout
-    peak = PEAK_MEMORY.search(stdout)
-    assert peak and float(peak[1]) > 0, stdout
+    assert prompt_tokens > 0 and prompt_tokens_per_second > 0, stderr
+    peak = PEAK_MEMORY.search(stderr)
+    assert peak and float(peak[1]) > 0, stderr
     return int(match[3]), float(match[4]), int(match[5])
 
 
@@ -139,19 +145,60 @@ def model_args(models) -> list[str]:
 
 
 def test_speculative_run_prints_greedy_text_and_stats(models, greedy_reference, tmp_path):
+    """``main.py > out.txt`` writes the generated text and a newline to the
+    file, nothing else; the rest (Loading lines, the summary) is on stderr."""
     result = run_main(*model_args(models), *GENERATE, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert generated_text(result.stdout) == greedy_reference.text
-    tokens, tokens_per_second, passes = stats(result.stdout)
+    assert result.stdout == greedy_reference.text + "\n"
+    assert result.stderr.startswith(f"Loading {models[0]}\nLoading draft {models[1]}\n")
+    tokens, tokens_per_second, passes = stats(result.stderr)
     assert tokens == len(greedy_reference.tokens)
     assert tokens_per_second > 0
     assert 1 <= passes <= tokens + 1
-    match = ACCEPTANCE.search(result.stdout)
-    assert match, result.stdout
+    match = ACCEPTANCE.search(result.stderr)
+    assert match, result.stderr
     accepted, proposed, percent = int(match[1]), int(match[2]), float(match[3])
     assert 0 <= accepted <= proposed
     assert proposed > 0
     assert percent == pytest.approx(100 * accepted / proposed, abs=0.05)
+
+
+# Runs a script (argv[1], with the arguments after it) as ``python SCRIPT``
+# would, where torch cannot be imported: the README's install has none.
+WITHOUT_TORCH = r"""
+import os, runpy, sys
+
+sys.modules["torch"] = None  # importlib.util.find_spec("torch") is None now
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_without_torch_no_pytorch_advice(hf_pair, greedy_reference, tmp_path):
+    """As installed by the README (no torch), convert.py and main.py work and
+    print nothing about PyTorch: they use only transformers' tokenizers."""
+    out = tmp_path / "main"
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    conversion, generation = (
+        subprocess.run(
+            [sys.executable, "-c", WITHOUT_TORCH, str(ROOT / script), *args],
+            cwd=tmp_path,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        for script, args in [
+            ("convert.py", ["--model", str(hf_pair[0]), "--out", str(out), "--dtype", "float32"]),
+            ("main.py", ["--model-name", str(out), "--regular-decode", *GENERATE]),
+        ]
+    )
+    for result in (conversion, generation):
+        assert result.returncode == 0, result.stderr
+        assert "PyTorch" not in result.stderr
+    assert generated_text(generation.stdout) == greedy_reference.text
 
 
 def test_prompt_from_standard_input(models, greedy_reference, tmp_path):
@@ -174,7 +221,7 @@ def test_prompt_from_standard_input(models, greedy_reference, tmp_path):
     assert result.returncode == 0, result.stderr
     assert generated_text(result.stdout) == greedy_reference.text
     prompt_tokens = len(load_tokenizer(models[0])(PROMPT).input_ids)
-    assert STATS.search(result.stdout)[1] == str(prompt_tokens)
+    assert STATS.search(result.stderr)[1] == str(prompt_tokens)
     assert "prompt is empty" in assert_one_line_error(empty)
 
 
@@ -183,11 +230,11 @@ def test_regular_decode_prints_the_same_text(models, greedy_reference, tmp_path)
     result = run_main("--model-name", str(main_dir), "--regular-decode", *GENERATE, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert generated_text(result.stdout) == greedy_reference.text
-    tokens, _, passes = stats(result.stdout)
+    tokens, _, passes = stats(result.stderr)
     assert tokens == len(greedy_reference.tokens)
     assert passes in (tokens, tokens + 1)  # one token per pass, plus a final EOS pass
-    assert "draft tokens accepted" not in result.stdout
-    assert "Loading draft" not in result.stdout
+    assert "Draft tokens accepted" not in result.stderr
+    assert "Loading draft" not in result.stderr
 
 
 @pytest.mark.parametrize("regular", [False, True], ids=["speculative", "regular"])
@@ -198,12 +245,13 @@ def test_sampling_is_reproducible_with_a_seed(regular, models, tmp_path):
     assert second.returncode == 0, second.stderr
     assert generated_text(first.stdout).strip()
     assert generated_text(first.stdout) == generated_text(second.stdout)
-    assert stats(first.stdout)[0] == stats(second.stdout)[0]
+    assert stats(first.stderr)[0] == stats(second.stderr)[0]
 
 
-def run_main_on_a_terminal(*args: str, cwd: Path) -> str:
+def run_main_on_a_terminal(*args: str, cwd: Path) -> tuple[str, str]:
     """``python main.py ARGS`` with its standard output on a pseudo-terminal;
-    what it wrote there, with the terminal's line ends undone."""
+    what it wrote there, with the terminal's line ends undone, and its
+    standard error."""
     terminal, child_end = pty.openpty()
     process = subprocess.Popen(
         [sys.executable, str(MAIN_PY), *args],
@@ -223,8 +271,9 @@ def run_main_on_a_terminal(*args: str, cwd: Path) -> str:
             break
         output += chunk
     os.close(terminal)
-    assert process.wait(timeout=300) == 0, process.stderr.read()
-    return output.decode().replace("\r\n", "\n")
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 0, stderr
+    return output.decode().replace("\r\n", "\n"), stderr
 
 
 def test_show_draft_colours_accepted_draft_tokens_on_a_terminal_only(
@@ -235,11 +284,11 @@ def test_show_draft_colours_accepted_draft_tokens_on_a_terminal_only(
     assert piped.returncode == 0, piped.stderr
     assert "\x1b" not in piped.stdout
     assert generated_text(piped.stdout) == greedy_reference.text
-    on_terminal = run_main_on_a_terminal(*args, cwd=tmp_path)
+    on_terminal, summary = run_main_on_a_terminal(*args, cwd=tmp_path)
     coloured = generated_text(on_terminal)
     assert COLOUR_CODE.search(coloured), on_terminal
     assert COLOUR_CODE.sub("", coloured) == greedy_reference.text
-    accepted = int(ACCEPTANCE.search(on_terminal)[1])
+    accepted = int(ACCEPTANCE.search(summary)[1])
     assert accepted > 0
 
 
@@ -258,10 +307,77 @@ def test_drafting_modes_print_the_greedy_text_and_their_mode(
     result = run_main(*model_args(models), *GENERATE, *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert generated_text(result.stdout) == greedy_reference.text
-    assert ("Loading draft" in result.stdout) == (mode != "prompt lookup")
-    drafting = DRAFTING.search(result.stdout)
-    assert drafting, result.stdout
+    assert ("Loading draft" in result.stderr) == (mode != "prompt lookup")
+    drafting = DRAFTING.search(result.stderr)
+    assert drafting, result.stderr
     assert drafting[1] == mode and drafting[2].startswith(draft_length)
+
+
+# Runs main.py (argv[2:]) as ``python main.py`` would, and sends the process
+# SIGINT, as Ctrl-C does, the first time it imports the module named argv[1].
+INTERRUPTED_AT_IMPORT = r"""
+import builtins, os, runpy, signal, sys
+
+target, main_py = sys.argv[1], sys.argv[2]
+real_import = builtins.__import__
+
+
+def interrupting_import(name, *args, **kwargs):
+    global target
+    if name == target:
+        target = None
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_import(name, *args, **kwargs)
+
+
+builtins.__import__ = interrupting_import
+sys.argv = sys.argv[2:]
+sys.path.insert(0, os.path.dirname(main_py))
+runpy.run_path(main_py, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("module", ["blas", "transformers"])
+def test_ctrl_c_while_importing_says_interrupted(module, models, tmp_path):
+    """Ctrl-C during the imports: exit status 130 and one "interrupted" line,
+    never a traceback (blas is imported first, transformers last and slowest)."""
+    result = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_AT_IMPORT, module, str(MAIN_PY), *model_args(models)],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert (result.returncode, result.stderr, result.stdout) == (130, "interrupted\n", "")
+
+
+def test_ctrl_c_while_generating_keeps_the_text_and_summary(models, tmp_path):
+    """Ctrl-C once text is streaming: the line ended, "interrupted" and the
+    summary of what was generated on stderr, exit status 130, no traceback."""
+    main_dir, _ = models
+    process = subprocess.Popen(
+        [sys.executable, str(MAIN_PY), "--model-name", str(main_dir), "--regular-decode"]
+        + ["--prompt", PROMPT, "-m", "1000000"],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = process.stdout.read(1)  # generation has started
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    text = generated_text(first + stdout)
+    lines = stderr.splitlines()
+    assert lines[1:3] == ["interrupted", SEPARATOR], stderr
+    assert stats(stderr)[0] >= len(text.split()) > 0
 
 
 def test_drafting_summary_says_which_g_ran():
@@ -275,6 +391,13 @@ def test_drafting_summary_says_which_g_ran():
     assert summary == "Drafting: draft model, g auto: no round drafted"
 
 
+def test_help_shows_the_defaults():
+    help_text = " ".join(main_module.build_parser().format_help().split())
+    for default in ("t5-11b", "t5-small", "5", "100", "0.0", "1.0", "0"):
+        assert f"(default: {default})" in help_text
+    assert "(default: None)" not in help_text and "(default: False)" not in help_text
+
+
 def test_model_names_resolve_under_mlx_models(models, greedy_reference, tmp_path):
     """``NAME`` -> mlx_models/NAME and ``org/NAME`` -> mlx_models/org-NAME, from the cwd."""
     main_dir, draft_dir = models
@@ -284,8 +407,8 @@ def test_model_names_resolve_under_mlx_models(models, greedy_reference, tmp_path
     names = ["--model-name", "tiny-main", "--draft-model-name", "org/tiny"]
     result = run_main(*names, *GENERATE, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert f"Loading {Path('mlx_models', 'tiny-main')}" in result.stdout
-    assert f"Loading draft {Path('mlx_models', 'org-tiny')}" in result.stdout
+    assert f"Loading {Path('mlx_models', 'tiny-main')}" in result.stderr
+    assert f"Loading draft {Path('mlx_models', 'org-tiny')}" in result.stderr
     assert generated_text(result.stdout) == greedy_reference.text
 
 
@@ -298,6 +421,64 @@ def test_resolve_model_finds_convert_default_output(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")
         (out / "weights.npz").write_bytes(b"")
         assert main_module.resolve_model(name) == out
+
+
+def test_checkpoint_directory_advice_works_when_followed(hf_pair, converted, tmp_path):
+    """--model-name path/to/ckpt/main, the Hugging Face checkpoint itself:
+    the error names the convert.py command (avoiding an output taken by
+    another checkpoint's conversion) and what to give afterwards; both then
+    run, the checkpoint's path saying which conversion it used."""
+    checkpoint = Path("ckpt", "main")
+    shutil.copytree(hf_pair[0], tmp_path / checkpoint)
+    copy_model(converted("relu_tied"), tmp_path / "mlx_models" / "main")  # another checkpoint's
+    run = ["--regular-decode", *GENERATE]
+    advice = assert_one_line_error(run_main("--model-name", str(checkpoint), *run, cwd=tmp_path))
+    match = re.search(r"run: (python convert\.py .+), then give (\S+) in its place", advice)
+    assert match, advice
+    command, out = shlex.split(match[1]), match[2]
+    assert out == str(Path("mlx_models", "main-2"))
+    conversion = subprocess.run(
+        [sys.executable, str(ROOT / command[1]), *command[2:], "--dtype", "float32"],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert conversion.returncode == 0, conversion.stderr
+    by_conversion, by_checkpoint = run_main_concurrently(
+        ["--model-name", out, *run], ["--model-name", str(checkpoint), *run], cwd=tmp_path
+    )
+    for result in (by_conversion, by_checkpoint):
+        assert result.returncode == 0, result.stderr
+        assert generated_text(result.stdout).strip()
+    assert f"using its conversion {out}" in by_checkpoint.stderr
+
+
+def test_readme_python_snippet_runs_outside_the_repository(models, tmp_path):
+    """The README's first Python snippet, run as the README says from another
+    directory (the root on PYTHONPATH), with the tiny pair as its models."""
+    readme = (ROOT / "README.md").read_text()
+    said, snippet = re.search(
+        r"From Python \((.*?)\):\n\n```python\n(.*?)```", readme, re.DOTALL
+    ).groups()
+    assert "PYTHONPATH=/path/to/this/repository python script.py" in " ".join(said.split())
+    (tmp_path / "mlx_models").mkdir()
+    for name, directory in zip(("t5-11b", "t5-small"), models):
+        (tmp_path / "mlx_models" / name).symlink_to(directory, target_is_directory=True)
+    (tmp_path / "script.py").write_text(snippet)
+    result = subprocess.run(
+        [sys.executable, "script.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
 
 
 # --- bad input -----------------------------------------------------------------
@@ -320,6 +501,8 @@ def test_resolve_model_finds_convert_default_output(tmp_path, monkeypatch):
         (["--top-p", "0"], "--top-p"),
         (["--top-p", "1.5"], "--top-p"),
         (["--top-k", "-1"], "--top-k"),
+        (["--seed", "-3", "--temp", "1"], "--seed"),
+        (["--seed", str(2**64)], "--seed"),
         (["--prompt", ""], "prompt"),
         (["--prompt", "   "], "prompt"),
     ],
@@ -328,7 +511,7 @@ def test_resolve_model_finds_convert_default_output(tmp_path, monkeypatch):
 def test_bad_arguments_give_one_line_error(args, mentioned, models, tmp_path):
     result = run_main(*model_args(models), *args, cwd=tmp_path)
     assert mentioned in assert_one_line_error(result)
-    assert "Loading" not in result.stdout
+    assert "Loading" not in result.stderr
 
 
 @pytest.mark.parametrize("role", ["--model-name", "--draft-model-name"])
@@ -339,7 +522,7 @@ def test_unconverted_model_names_the_convert_command(role, models, tmp_path):
     result = run_main(*[x for pair in names.items() for x in pair], "-m", "3", cwd=tmp_path)
     message = assert_one_line_error(result)
     assert "python convert.py --model no-such-org/no-such-t5" in message
-    assert "Loading" not in result.stdout
+    assert "Loading" not in result.stderr
 
 
 def truncate_weights(directory: Path) -> None:
@@ -419,7 +602,7 @@ def test_bad_model_directories_give_one_line_error(role, damage, mentioned, mode
     if damage in (replace_tokenizer, change_vocab_size):
         # An incompatible draft is found before any weights are loaded.
         assert str(main_dir) in message
-        assert "Loading" not in result.stdout
+        assert "Loading" not in result.stderr
 
 
 # --- memory ----------------------------------------------------------------------
@@ -453,7 +636,7 @@ def test_models_that_do_not_fit_are_refused_before_loading(
     monkeypatch.setattr(main_module, "available_memory", lambda: int(available))
     assert main_module.main([*model_args(models), *GENERATE]) == 1
     captured = capsys.readouterr()
-    assert "Loading" not in captured.out
+    assert captured.out == ""
     (line,) = captured.err.splitlines()
     assert line.startswith("error: ") and "more than the" in line and advice in line
 
@@ -483,4 +666,19 @@ def test_quantized_model_on_the_cpu_gets_a_note(hf_pair, models, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert generated_text(result.stdout) == expected
-    assert result.stderr.splitlines() == [main_module.CPU_QUANTIZED_NOTE]
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert notes == [main_module.CPU_QUANTIZED_NOTE]
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the note is for the CPU")
+def test_bfloat16_model_on_the_cpu_gets_a_note(converted, models, tmp_path):
+    """bfloat16 (convert.py's default) is slow on the CPU: one note says so;
+    float32 models get none."""
+    bfloat16, float32 = run_main_concurrently(
+        ["--model-name", str(converted("main", "bfloat16")), "--regular-decode", *GENERATE],
+        ["--model-name", str(models[0]), "--regular-decode", *GENERATE],
+        cwd=tmp_path,
+    )
+    for result, expected in ((bfloat16, [main_module.CPU_HALF_NOTE]), (float32, [])):
+        assert result.returncode == 0, result.stderr
+        assert [line for line in result.stderr.splitlines() if line.startswith("note:")] == expected

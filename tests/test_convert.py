@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import random
+import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 import convert
+from cli import written_by_convert
 from decoder import load_tokenizer
 from model import ModelArgs, load_config, load_model, parameter_bytes
 
@@ -113,6 +119,7 @@ def test_output_is_self_contained(name, converted, hf_checkpoint):
     assert {"weights.npz", "config.json", "tokenizer_config.json"} <= files
     assert files & {"tokenizer.json", "spiece.model"}, files
     assert leftovers(out.parent, out) == []
+    assert written_by_convert(out), f"files convert.py does not know it writes: {files}"
 
     model = load_model(out)
     tokenizer = load_tokenizer(out)
@@ -144,10 +151,22 @@ def test_default_output_names():
     assert convert.default_output("google/flan-t5-large") == Path("mlx_models/google-flan-t5-large")
 
 
-def test_default_output_of_a_local_directory(tmp_path):
+def test_default_output_of_a_local_directory(tmp_path, monkeypatch):
     checkpoint = tmp_path / "some" / "my-t5"
     checkpoint.mkdir(parents=True)
     assert convert.default_output(str(checkpoint)) == Path("mlx_models/my-t5")
+    monkeypatch.chdir(checkpoint)  # --model . is named after the directory, not mlx_models itself
+    assert convert.default_output(".") == Path("mlx_models/my-t5")
+
+
+def test_small_conversions_report_their_size(tmp_path, hf_checkpoint, capsys):
+    """Not "0.00 GB": a size below 0.1 GB is given in MB."""
+    capsys.readouterr()
+    out = convert.convert(str(hf_checkpoint("relu_tied")), tmp_path / "out", "float32")
+    said = re.search(r"writing \d+ tensors \(([\d.]+) MB, float32\)", capsys.readouterr().out)
+    assert said, "no size in MB"
+    stored = sum(array.nbytes for array in mx.load(str(out / "weights.npz")).values())
+    assert float(said[1]) == pytest.approx(stored / 1e6, abs=0.005)
 
 
 # --- model_config ----------------------------------------------------------------
@@ -240,9 +259,13 @@ def test_sharded_safetensors_match_single_file(tmp_path, hf_checkpoint, converte
 
     out = convert.convert(str(sharded), tmp_path / "out", "float32")
     assert_same_weights(out, converted("gated_untied"))
-    assert (out / "config.json").read_text() == (
-        converted("gated_untied") / "config.json"
-    ).read_text()
+    config, reference = (
+        json.loads((directory / "config.json").read_text())
+        for directory in (out, converted("gated_untied"))
+    )
+    assert config["converted_from"] == str(sharded.resolve())
+    del config["converted_from"], reference["converted_from"]
+    assert config == reference
 
 
 def test_missing_shard_is_reported(tmp_path, hf_checkpoint):
@@ -425,7 +448,9 @@ def test_failed_conversion_keeps_the_previous_one(tmp_path, hf_checkpoint, monke
     before = snapshot(out)
     monkeypatch.setattr(convert.mx, "savez", failing_savez(OSError(28, "No space left on device")))
     capsys.readouterr()
-    code = convert.main(["--model", str(hf_checkpoint("gated_untied")), "--out", str(out)])
+    code = convert.main(
+        ["--model", str(hf_checkpoint("gated_untied")), "--out", str(out), "--force"]
+    )
     assert code != 0
     assert "No space left on device" in assert_one_line_error(capsys.readouterr().err)
     assert snapshot(out) == before
@@ -433,15 +458,163 @@ def test_failed_conversion_keeps_the_previous_one(tmp_path, hf_checkpoint, monke
     load_model(out)
 
 
-def test_reconversion_replaces_the_output(tmp_path, hf_checkpoint):
+def tree(directory: Path) -> dict[str, bytes | None]:
+    """Every path under ``directory``, with the bytes of the files."""
+    return {
+        str(path.relative_to(directory)): path.read_bytes() if path.is_file() else None
+        for path in sorted(directory.rglob("*"))
+    }
+
+
+def convert_cli(capsys, *args: str) -> tuple[int, str]:
+    """``convert.main(ARGS)``: its exit status and its standard error."""
+    capsys.readouterr()
+    code = convert.main(list(args))
+    return code, capsys.readouterr().err
+
+
+def foreign_directory(directory: Path) -> None:
+    """A user's directory: notes and data, nothing convert.py wrote."""
+    (directory / "sub").mkdir(parents=True)
+    (directory / "notes.txt").write_text("my notes")
+    (directory / "sub" / "data.csv").write_text("a,b\n1,2\n")
+
+
+def conversion_with_a_foreign_file(directory: Path) -> None:
+    """A conversion into which the user put a file of their own."""
+    (directory / "notes.txt").write_text("my notes")
+
+
+def conversion_with_a_foreign_directory(directory: Path) -> None:
+    (directory / "extra").mkdir()
+    (directory / "extra" / "data.csv").write_text("a,b\n")
+
+
+def a_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("not a directory")
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        foreign_directory,
+        conversion_with_a_foreign_file,
+        conversion_with_a_foreign_directory,
+        a_file,
+    ],
+    ids=["foreign-directory", "conversion-plus-file", "conversion-plus-directory", "file"],
+)
+def test_output_not_written_by_convert_is_refused_untouched(
+    make, force, tmp_path, hf_checkpoint, converted, capsys
+):
+    """An --out holding anything convert.py did not write survives byte for
+    byte, with or without --force; nothing is converted or left beside it."""
+    out = tmp_path / "precious"
+    if make in (conversion_with_a_foreign_file, conversion_with_a_foreign_directory):
+        shutil.copytree(converted("relu_tied"), out)
+    make(out)
+    before = tree(out) if out.is_dir() else out.read_bytes()
+    args = ["--model", str(hf_checkpoint("gated_untied")), "--out", str(out)]
+    code, err = convert_cli(capsys, *args, *(["--force"] if force else []))
+    assert code != 0
+    assert "not a model directory convert.py wrote" in assert_one_line_error(err)
+    assert (tree(out) if out.is_dir() else out.read_bytes()) == before
+    assert leftovers(tmp_path, out) == []
+    assert "reading" not in capsys.readouterr().out  # refused before converting
+
+
+@pytest.mark.parametrize(
+    "where", ["itself", "inside", "parent"], ids=["in-place", "inside", "containing"]
+)
+def test_output_overlapping_the_checkpoint_is_refused(where, tmp_path, hf_checkpoint, capsys):
+    """--out equal to, inside or containing --model: refused, the checkpoint intact."""
+    checkpoint = copy_checkpoint(hf_checkpoint("relu_tied"), tmp_path / "ckpt" / "main")
+    out = {"itself": checkpoint, "inside": checkpoint / "mlx", "parent": checkpoint.parent}[where]
+    before = tree(tmp_path)
+    code, err = convert_cli(capsys, "--model", str(checkpoint), "--out", str(out))
+    assert code != 0
+    assert "overlap" in assert_one_line_error(err)
+    assert tree(tmp_path) == before
+
+
+def test_earlier_conversion_is_replaced_only_with_force(tmp_path, hf_checkpoint, capsys):
     out = tmp_path / "tiny"
-    convert.convert(str(hf_checkpoint("relu_tied")), out, "float32")
-    (out / "stale-file").write_text("from an earlier run")
-    convert.convert(str(hf_checkpoint("gated_untied")), out, "bfloat16")
-    assert not (out / "stale-file").exists()
+    first = str(hf_checkpoint("relu_tied"))
+    convert.convert(first, out, "float32")
+    before = tree(out)
+    args = ["--model", str(hf_checkpoint("gated_untied")), "--out", str(out), "--dtype", "bfloat16"]
+    code, err = convert_cli(capsys, *args)
+    assert code != 0
+    message = assert_one_line_error(err)
+    assert "--force" in message and str(Path(first).resolve()) in message
+    assert tree(out) == before
+
+    assert convert_cli(capsys, *args, "--force")[0] == 0
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     assert {w.dtype for w in mx.load(str(out / "weights.npz")).values()} == {mx.bfloat16}
     assert leftovers(tmp_path, out) == []
+
+
+def test_conversion_from_before_the_marker_is_ours(tmp_path, hf_checkpoint):
+    """An output of an earlier convert.py, whose config.json has no
+    converted_from, is still recognised as convert.py's: --force replaces it."""
+    out = tmp_path / "tiny"
+    convert.convert(str(hf_checkpoint("relu_tied")), out, "float32")
+    config = json.loads((out / "config.json").read_text())
+    del config["converted_from"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="--force"):
+        convert.convert(str(hf_checkpoint("gated_untied")), out, "float32")
+    convert.convert(str(hf_checkpoint("gated_untied")), out, "float32", force=True)
+    assert "converted_from" in json.loads((out / "config.json").read_text())
+
+
+def test_an_empty_output_directory_is_used(tmp_path, hf_checkpoint):
+    out = tmp_path / "empty"
+    out.mkdir()
+    convert.convert(str(hf_checkpoint("relu_tied")), out, "float32")
+    load_model(out)
+    assert leftovers(tmp_path, out) == []
+
+
+def test_failed_replacement_keeps_the_earlier_conversion(tmp_path, hf_checkpoint, monkeypatch):
+    """--force moves the earlier output aside and deletes it only once the
+    new one is in place: if that last rename fails, the earlier one is back."""
+    out = tmp_path / "tiny"
+    convert.convert(str(hf_checkpoint("relu_tied")), out, "float32")
+    before = tree(out)
+    real_replace = os.replace
+
+    def failing_replace(source, destination):
+        staged = Path(source).name.startswith(".tiny.") and ".old." not in Path(source).name
+        if staged and Path(destination) == out:
+            raise OSError(28, "No space left on device")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(convert.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="No space left"):
+        convert.convert(str(hf_checkpoint("gated_untied")), out, "float32", force=True)
+    assert tree(out) == before
+    assert leftovers(tmp_path, out) == []
+
+
+def test_checkpoints_named_alike_do_not_replace_each_other(
+    tmp_path, hf_checkpoint, monkeypatch, capsys
+):
+    """a/checkpoint-500 and b/checkpoint-500 share the default output name:
+    the second conversion is refused, naming what the first one wrote."""
+    first = copy_checkpoint(hf_checkpoint("relu_tied"), tmp_path / "a" / "checkpoint-500")
+    second = copy_checkpoint(hf_checkpoint("gated_untied"), tmp_path / "b" / "checkpoint-500")
+    monkeypatch.chdir(tmp_path)
+    assert convert_cli(capsys, "--model", str(first), "--dtype", "float32")[0] == 0
+    out = tmp_path / "mlx_models" / "checkpoint-500"
+    before = tree(out)
+    code, err = convert_cli(capsys, "--model", str(second), "--dtype", "float32")
+    assert code != 0
+    assert str(first) in assert_one_line_error(err)
+    assert tree(out) == before
 
 
 def test_output_directory_has_ordinary_permissions(tmp_path, hf_checkpoint):
@@ -482,7 +655,7 @@ def test_cli_converts_and_prints_a_working_command(tmp_path, hf_checkpoint):
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
-    assert "Generation: " in run.stdout
+    assert "Generation: " in run.stderr
 
 
 def make_no_config(checkpoint: Path) -> None:
@@ -519,11 +692,151 @@ def test_cli_rejects_bad_checkpoint_directories(damage, expected, tmp_path, hf_c
     assert not (tmp_path / "mlx_models").exists()
 
 
+@pytest.mark.parametrize("out", [None, "itself"], ids=["default-out", "out-itself"])
+def test_converted_directory_is_not_converted_again(out, tmp_path, converted, monkeypatch, capsys):
+    """Given a directory convert.py wrote, convert.py says how to use it."""
+    model = converted("relu_tied")
+    before = tree(model)
+    monkeypatch.chdir(tmp_path)
+    code, err = convert_cli(capsys, "--model", str(model), *(["--out", str(model)] if out else []))
+    assert code != 0
+    message = assert_one_line_error(err)
+    assert "already converted" in message
+    assert f"python main.py --model-name {model}" in message
+    assert tree(model) == before
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["no-such-t5-model", "no-such-org/no-such-t5"])
 def test_cli_rejects_unknown_model_names(name, tmp_path):
     result = run_convert("--model", name, cwd=tmp_path)
     assert result.returncode != 0
     assert name in assert_one_line_error(result.stderr)
+    assert not (tmp_path / "mlx_models").exists()
+
+
+# --- the Hugging Face Hub --------------------------------------------------------
+
+HUB_MODEL = "tiny-org/tiny-t5"
+
+
+class HubAnswer(http.server.BaseHTTPRequestHandler):
+    """Answers every request with the class's status and ``X-Error-Code``, as
+    the Hugging Face Hub answers for a model it will not serve."""
+
+    status, error_code = 404, None
+
+    def do_GET(self):
+        self.send_response(self.status)
+        if self.error_code:
+            self.send_header("X-Error-Code", self.error_code)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "refused by the test hub"}')
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """The hub client with an empty cache, ``tmp_path / "cache"``; call
+    ``hub(status, error_code)`` to point it at a local server answering so,
+    ``hub("unreachable")`` at a port nothing listens on (no network),
+    ``hub("offline")`` for HF_HUB_OFFLINE=1."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    servers = []
+
+    def answer(status, error_code=None):
+        if status == "offline":
+            monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+            return
+        if status == "unreachable":
+            with socket.socket() as unused:
+                unused.bind(("127.0.0.1", 0))
+                port = unused.getsockname()[1]
+        else:
+            handler = type("Answer", (HubAnswer,), {"status": status, "error_code": error_code})
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            servers.append(server)
+            port = server.server_address[1]
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+
+    yield answer
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def put_in_hub_cache(cache: Path, repo_id: str, checkpoint: Path) -> None:
+    """``checkpoint`` in a Hugging Face cache, as a download of ``repo_id`` leaves it."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(checkpoint, repo / "snapshots" / commit)
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+@pytest.mark.parametrize("hub_state", ["offline", "unreachable"])
+def test_model_in_the_hub_cache_converts_without_the_hub(
+    hub_state, weights, hub, tmp_path, hf_checkpoint, converted, monkeypatch, capsys
+):
+    """HF_HUB_OFFLINE=1, or no network: what the cache holds converts."""
+    source = hf_checkpoint("gated_untied")
+    if weights == "bin":
+        source = bin_checkpoint(source, tmp_path / "bin")
+    put_in_hub_cache(tmp_path / "cache", HUB_MODEL, source)
+    hub(hub_state)
+    monkeypatch.chdir(tmp_path)
+    code, err = convert_cli(capsys, "--model", HUB_MODEL, "--dtype", "float32")
+    assert code == 0, err
+    out = tmp_path / "mlx_models" / "tiny-org-tiny-t5"
+    assert_same_weights(out, converted("gated_untied"))
+    assert json.loads((out / "config.json").read_text())["converted_from"] == HUB_MODEL
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ((404, "RepoNotFound"), "the hub has no such repository"),
+        # The hub's answer to an anonymous request for a missing or private model.
+        ((401, "RepoNotFound"), "the hub has no such repository"),
+        ((403, "GatedRepo"), "gated on the Hugging Face Hub"),
+        ((401, None), "refused"),
+        ((500, None), "try again later"),
+        (("unreachable",), "cannot be reached"),
+        (("offline",), "HF_HUB_OFFLINE=1 forbids downloading it"),
+    ],
+    ids=[
+        "not-found",
+        "not-found-401",
+        "gated",
+        "unauthorised",
+        "server-error",
+        "no-network",
+        "offline",
+    ],
+)
+def test_hub_failures_are_told_apart_at_once(answer, expected, hub, tmp_path, monkeypatch, capsys):
+    """What the hub answered, or that it could not be asked, in one line,
+    without retrying (the file listing's retries slept 23 s before giving up)."""
+    hub(*answer)
+    monkeypatch.chdir(tmp_path)
+    tic = time.monotonic()
+    code, err = convert_cli(capsys, "--model", HUB_MODEL)
+    assert time.monotonic() - tic < 20  # well under a second, but the machine may be busy
+    assert code != 0
+    message = assert_one_line_error(err)
+    assert expected in message and HUB_MODEL in message
+    if answer == ("unreachable",):
+        assert "HF_HUB_OFFLINE=1" in message and "local checkpoint directory" in message
     assert not (tmp_path / "mlx_models").exists()
 
 

@@ -252,6 +252,13 @@ def test_prompt_may_be_token_ids(decoding_pair):
         ({"top_p": 0.0}, "top-p"),
         ({"top_p": 1.5}, "top-p"),
         ({"top_k": -2}, "top-k"),
+        ({"top_k": 2.5}, "top-k"),
+        ({"temp": float("nan")}, "temperature"),
+        ({"max_tokens": 2.0}, "max_tokens"),
+        # mx.random.seed takes an unsigned 64-bit integer; MLX's own error is a TypeError.
+        ({"seed": -3, "temp": 1.0}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 1.5}, "seed"),
     ],
 )
 def test_bad_generation_arguments_are_refused(kwargs, message, decoding_pair):
@@ -310,3 +317,15 @@ def test_draft_with_another_tokenizer_is_refused(converted_pair, tmp_path):
         check_draft_directories(main_dir, other)
     assert str(main_dir) in str(error.value) and str(other) in str(error.value)
     assert "tokenizer" in str(error.value)
+
+
+def test_tokenizer_difference_counts_each_entry_once(decoding_pair):
+    """A piece renamed at one id is one differing entry, not two; two
+    1000-entry vocabularies differ in at most 1000."""
+    args = decoding_pair[0].args
+    vocab = {f"piece{index}": index for index in range(1000)}
+    renamed = {**{piece: index for piece, index in vocab.items() if index != 7}, "other": 7}
+    shifted = {piece: (index + 1) % 1000 for piece, index in vocab.items()}
+    for draft_vocab, differing in ((renamed, 1), (shifted, 1000)):
+        with pytest.raises(IncompatibleDraftError, match=f"differ in {differing} vocabulary"):
+            check_draft_compatible(args, args, main_vocab=vocab, draft_vocab=draft_vocab)
