@@ -319,6 +319,8 @@ class KVCache:
 
 def pad_to(x: mx.array, length: int, axis: int) -> mx.array:
     """``x`` with zeros appended along ``axis`` up to ``length``."""
+    if x.shape[axis] >= length:
+        return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, length - x.shape[axis])
     return mx.pad(x, widths)
