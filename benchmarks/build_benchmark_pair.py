@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import json
 import math
@@ -184,8 +185,10 @@ def _prose_paragraphs(text: str) -> list[str]:
     return paragraphs
 
 
-def collect_paragraphs() -> list[str]:
-    """English prose that ships with Python: the pydoc help topics and stdlib docstrings."""
+@functools.cache
+def collect_paragraphs() -> tuple[str, ...]:
+    """English prose that ships with Python: the pydoc help topics and stdlib docstrings
+    (read once per process)."""
     from pydoc_data.topics import topics
 
     texts = [topics[key] for key in sorted(topics)]
@@ -204,7 +207,7 @@ def collect_paragraphs() -> list[str]:
                 if docstring:
                     texts.append(docstring)
     paragraphs = [p for text in texts for p in _prose_paragraphs(text)]
-    return list(dict.fromkeys(paragraphs))  # drop duplicates, keep order
+    return tuple(dict.fromkeys(paragraphs))  # drop duplicates, keep order
 
 
 def split_sentences(paragraph: str) -> list[str]:
@@ -890,7 +893,7 @@ def long_prompts(
 def split_text(rng: random.Random) -> tuple[list[str], ...]:
     """All paragraphs, shuffled with ``rng``; those held out of training; the
     rest (the tokenizer's text); and the draft's training paragraphs."""
-    paragraphs = collect_paragraphs()
+    paragraphs = list(collect_paragraphs())
     rng.shuffle(paragraphs)
     held_out_count = int(len(paragraphs) * HELD_OUT_FRACTION)
     held_out, rest = paragraphs[:held_out_count], paragraphs[held_out_count:]
