@@ -4,13 +4,16 @@
         [--num-draft 1,2,3,5,8,auto] [--prompt-lookup N [--lookup-num-draft auto]] \\
         [--delta 0,0.1,0.5] [--temp 0,1] [--max-tokens 64] [--repeats R] \\
         [--prompts FILE] [--output benchmark_results] [--compare-hf --hf-model DIR --hf-draft DIR [--hf-threads N]]
+    python benchmarks/benchmark.py --model-name MAIN --draft-model-name DRAFT \\
+        --batch-sizes 1,2,4,8,16,32 [...]: the batch benchmark (batch.py describes it)
 
-The modes: the draft model with each ``--num-draft`` value (``auto``
-included) and, with ``--prompt-lookup N``, prompt lookup alone (no draft
-model) and hybrid (lookup, then the draft model) with each
-``--lookup-num-draft`` value. For every temperature, each prompt is decoded
-regularly and then in every mode and delta, in turn, prompt after prompt
-(``--repeats`` times), so that drift in machine speed affects all alike.
+Without ``--batch-sizes``, prompts are decoded one at a time. The modes: the
+draft model with each ``--num-draft`` value (``auto`` included) and, with
+``--prompt-lookup N``, prompt lookup alone (no draft model) and hybrid
+(lookup, then the draft model) with each ``--lookup-num-draft`` value. For
+every temperature, each prompt is decoded regularly and then in every mode
+and delta, in turn, prompt after prompt (``--repeats`` times), so that drift
+in machine speed affects all alike.
 Reported per mode and delta:
 
 - generation tokens/s of regular and speculative decoding (prompt
@@ -56,11 +59,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # An optimized BLAS on Linux: must come before anything imports mlx.
 import blas  # isort: skip
+from batch import peer_threads, run_batches, validate_batches
 from limits import decoder_step_bytes, memory_bandwidth
 from reporting import format_table, pyplot, save_with_legend_below, write_tables
 from workers import Worker
 
-from cli import ArgumentParser, num_draft
+from cli import POSITIVE, ArgumentParser, num_draft
 from decoder import MAX_AUTO_DRAFT, expected_tokens_per_round, pass_times
 
 PROMPTS = [
@@ -221,7 +225,24 @@ def build_parser() -> ArgumentParser:
     add(
         "--hf-threads",
         type=int,
-        help="torch threads (default: as many as the BLAS MLX uses, else torch's default)",
+        help="torch (and CTranslate2) threads (default: as many as the BLAS MLX uses, "
+        "else the peer's default)",
+    )
+    add(
+        "--batch-sizes",
+        type=parse_list(POSITIVE, "integers >= 1"),
+        help="the batch benchmark (batch.py): throughput at each batch size, e.g. 1,2,4,8,16,32",
+    )
+    add(
+        "--compare-ct2",
+        action="store_true",
+        help="with --batch-sizes: also CTranslate2 float32 and int8 on --hf-model",
+    )
+    add(
+        "--ct2-cache",
+        type=Path,
+        help="where CTranslate2's copies of --hf-model are kept (default: ctranslate2-models "
+        "beside --output)",
     )
     return parser
 
@@ -245,7 +266,9 @@ def validate(args: argparse.Namespace) -> None:
     output_dir = args.output.parent
     if output_dir.exists() and not os.access(output_dir, os.W_OK):
         raise ValueError(f"cannot write results to {output_dir}")
-    if args.compare_hf:
+    if args.batch_sizes or args.compare_ct2:
+        validate_batches(args)
+    elif args.compare_hf:
         if all(g == "auto" for g in args.num_draft):
             raise ValueError("--compare-hf needs a --num-draft value other than auto")
         for flag, path in (("--hf-model", args.hf_model), ("--hf-draft", args.hf_draft)):
@@ -435,12 +458,6 @@ def write_outputs(rows: list[Row], extra: dict, output: Path) -> list[Path]:
     return written
 
 
-def torch_threads(args: argparse.Namespace) -> int:
-    """The threads the peers compute on: --hf-threads, else as many as MLX's
-    matrix products run on (the BLAS's), else 0 (the peer's default)."""
-    return args.hf_threads or blas.num_threads() or 0
-
-
 def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
     """Greedy and assisted generation in transformers on the original
     checkpoints, on the same prompts, timed the same way (prompt processing
@@ -457,7 +474,7 @@ def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
     prompt_tokens = 0
     matches = 0
     decoder.num_draft, decoder.delta = num_draft, 0.0
-    options = (args.hf_model, args.hf_draft, torch_threads(args), num_draft, args.max_tokens)
+    options = (args.hf_model, args.hf_draft, peer_threads(args), num_draft, args.max_tokens)
     with Worker("transformers_worker.py", *options) as worker:
         for prompt in prompts:
             timed = worker.ask(prompt)
@@ -513,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     decoder = SpeculativeDecoder(model, draft_model, tokenizer)
+    if args.batch_sizes:
+        return run_batches(args, prompts, decoder, model_path, draft_path)
     all_modes = modes(args)
     # Warm-up; auto measures its costs here, on its first use.
     for mode in all_modes:

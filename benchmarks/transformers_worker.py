@@ -84,6 +84,7 @@ def serve_single(hf_model: str, hf_draft: str, threads: str, num_draft: str, max
 def serve_batch(hf_model: str, threads: str):
     """Batched greedy generation (``workers.serve_batches``)."""
     import torch
+    import transformers
 
     tokenizer, model = load(hf_model, threads)
 
@@ -98,7 +99,9 @@ def serve_batch(hf_model: str, threads: str):
         return outputs
 
     generate(["warm up"], 1, 4)
-    serve_batches(generate, model.config.eos_token_id, {"torch_threads": torch.get_num_threads()})
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    ready = {"torch_threads": torch.get_num_threads(), **versions}
+    serve_batches(generate, model.config.eos_token_id, ready)
 
 
 def main() -> int:
