@@ -2,13 +2,16 @@
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 from benchmark import predicted_speedup
 from conftest import ROOT
+from fixtures import EOS_ID
 from limits import decoder_step_bytes
+from workers import Worker
 
 from model import T5, ModelArgs
 
@@ -178,3 +181,53 @@ def test_benchmark_refuses_bad_settings(setting, message, converted_pair):
     run = run_benchmark(main_dir, draft_dir, *setting)
     assert run.returncode != 0
     assert run.stderr.strip().splitlines() == [f"error: {message}"]
+
+
+PROMPTS = [
+    "translate English to German: the house is small.",
+    "summarize: the dog sees the apple in the green garden.",
+    "Le chat est très petit.",
+]
+
+
+@pytest.mark.parametrize("peer", ["transformers", "ctranslate2 float32", "ctranslate2 int8"])
+def test_peer_workers_answer_batch_requests(peer, hf_pair, tmp_path):
+    if peer.startswith("ctranslate2"):
+        pytest.importorskip("ctranslate2")
+        command = ("ctranslate2_worker.py", hf_pair[0], tmp_path, peer.split()[1], 1)
+    else:
+        command = ("transformers_worker.py", "--batch", hf_pair[0], 1)
+    request = {"prompts": PROMPTS, "batch_size": 2, "max_tokens": 12}
+    with Worker(*command) as worker:
+        batched = worker.ask(request)
+        one_by_one = worker.ask({**request, "batch_size": 1})
+        alone = [worker.ask({**request, "prompts": [p], "batch_size": 1}) for p in PROMPTS]
+    assert batched["seconds"] > 0
+    tokens = batched["tokens"]
+    # One answer per prompt, without the start token, cut before EOS ...
+    assert len(tokens) == 3 and all(0 < len(t) <= 12 and EOS_ID not in t for t in tokens)
+    # ... in input order (CTranslate2 sorts the prompts by length).
+    assert one_by_one["tokens"] == [answer["tokens"][0] for answer in alone]
+    if peer.startswith("ctranslate2"):
+        # Converted once by CTranslate2's converter, then taken from the cache.
+        assert worker.ready["convert_seconds"] > 0
+        with Worker(*command) as again:
+            assert again.ready["convert_seconds"] == 0
+            assert again.ready["model_dir"] == worker.ready["model_dir"]
+
+
+def test_build_writes_more_prompts_of_the_pairs_style(tokenizer_dir, tmp_path):
+    from build_benchmark_pair import NUM_EVAL_PROMPTS, write_prompts
+
+    (tmp_path / "hf-draft").mkdir()
+    shutil.copy(tokenizer_dir / "spiece.model", tmp_path / "hf-draft")
+    path = write_prompts(tmp_path, 0, 14)
+    prompts = path.read_text().splitlines()
+    assert path.name == "prompts-14.txt" and len(set(prompts)) == 14
+    assert all(p.split(":")[0] in ("continue", "restore", "fill") for p in prompts)
+    # The build's own evaluation prompts (prompts.txt) come first, the same draw then goes on.
+    (tmp_path / "prompts.txt").write_text("".join(f"{p}\n" for p in prompts[:NUM_EVAL_PROMPTS]))
+    assert write_prompts(tmp_path, 0, 12).read_text().splitlines() == prompts[:12]
+    # A pair built with another seed has other prompts.txt: refused, not silently mixed.
+    with pytest.raises(SystemExit, match="another --seed"):
+        write_prompts(tmp_path, 1, 12)
