@@ -13,28 +13,38 @@ One speculative round:
 So every round costs one main-model pass and adds between 1 and g+1 tokens.
 The host waits once per round, for the accepted count and the next token.
 
-Drafts come from a drafter: ``ModelDrafter`` (a small model),
-``PromptLookupDrafter`` (tokens that followed an earlier occurrence of the
-output's last n-gram, no model at all) or ``HybridDrafter`` (lookup where it
-matches, the model elsewhere). A lookup draft is a point mass: its proposal
-distribution q is one-hot, so ``verify`` needs no rule of its own.
+A batch of prompts runs the same rounds, all rows in each pass: every row
+proposes its own draft tokens, is verified by the same rule and keeps its
+own number of them (the caches keep a length per row). Rows that finish
+leave the batch and waiting prompts take their places. A single prompt is
+a batch of one. Drafters and the draft-length rule live in ``drafting.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 # First: the fast BLAS on Linux must load before mlx (see model.py).
 import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 
+from drafting import (
+    MAX_AUTO_DRAFT,
+    Draft,
+    DraftLength,
+    HybridDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    acceptance_counts,
+    draft_token_time,
+    pass_times,
+    trim_to,
+)
 from model import T5, DecoderCache, ModelArgs, load_config
 
 
@@ -96,13 +106,15 @@ def verify(
     main_logits: mx.array,
     sampling: Sampling,
     delta: float,
+    draft_lengths: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """Decide how many of the ``g`` draft tokens the main model accepts, and
-    the token that follows them.
+    """Decide, for every row of a batch, how many of its draft tokens the
+    main model accepts, and the token that follows them.
 
-    ``main_logits`` has ``g + 1`` rows: row i scores the position of draft
-    token i, the last row the position after all of them. Returns
-    ``(num_accepted, next_token)`` as scalar arrays.
+    ``draft_tokens`` is [B, g]; row i proposed its first ``draft_lengths[i]``
+    (default: all g). ``main_logits`` is [B, g + 1, vocabulary]: position j
+    scores the position of draft token j, position g the one after all of
+    them. Returns ``(num_accepted, next_token)``, each [B].
 
     Sampling (temp > 0): x_i is accepted when ``u * (1 - delta) * q(x) <= p(x)``
     with u uniform in (0, 1]; for delta = 0 that is probability min(1, p/q),
@@ -110,260 +122,37 @@ def verify(
     normalize(max(0, p - q)). Greedy (temp = 0): x_i is accepted when it is
     the main model's argmax or, for delta > 0, when ``p(x) >= (1 - delta) *
     max p`` with p the main model's softmax; a rejected token is replaced by
-    the argmax. In both, delta = 1 accepts every draft token.
+    the argmax. In both, delta = 1 accepts every draft token. A row that
+    accepted all its draft tokens adds one sampled from p (its q is zero
+    past its length, so the residual there is p itself).
     """
-    num_draft = draft_tokens.shape[0]
+    batch_size, num_draft = draft_tokens.shape
     if num_draft == 0:  # nothing to verify: an ordinary decoding step
-        return mx.array(0), sampling.sample(main_logits[0])[0]
+        return mx.zeros(batch_size, mx.int32), sampling.sample(main_logits[:, 0])[0]
     if sampling.greedy:
         main_tokens = mx.argmax(main_logits, axis=-1)
-        accepted = draft_tokens == main_tokens[:num_draft]
+        accepted = draft_tokens == main_tokens[:, :num_draft]
         if delta > 0:
-            probs = mx.softmax(main_logits[:num_draft].astype(mx.float32), axis=-1)
-            chosen = mx.take_along_axis(probs, draft_tokens[:, None], axis=-1)[:, 0]
+            probs = mx.softmax(main_logits[:, :num_draft].astype(mx.float32), axis=-1)
+            chosen = mx.take_along_axis(probs, draft_tokens[..., None], axis=-1)[..., 0]
             accepted = accepted | (chosen >= (1 - delta) * probs.max(axis=-1))
         candidates = main_tokens
     else:
         probs = sampling.probabilities(main_logits)
-        p = mx.take_along_axis(probs[:num_draft], draft_tokens[:, None], axis=-1)[:, 0]
-        q = mx.take_along_axis(draft_probs, draft_tokens[:, None], axis=-1)[:, 0]
-        u = 1 - mx.random.uniform(shape=(num_draft,))
+        p = mx.take_along_axis(probs[:, :num_draft], draft_tokens[..., None], axis=-1)[..., 0]
+        q = mx.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+        u = 1 - mx.random.uniform(shape=(batch_size, num_draft))
         accepted = u * (1 - delta) * q <= p
-        # Row i < g: the replacement should x_i be rejected; row g: the extra token.
-        residual = mx.maximum(probs[:num_draft] - draft_probs, 0)
+        # Position i < g: the replacement should x_i be rejected; position g: the extra token.
+        residual = mx.maximum(probs[:, :num_draft] - draft_probs, 0)
         candidates = mx.random.categorical(
-            mx.log(mx.concatenate([residual, probs[num_draft:]], axis=0))
+            mx.log(mx.concatenate([residual, probs[:, num_draft:]], axis=1))
         )
-    num_accepted = mx.cumprod(accepted.astype(mx.int32)).sum()
-    return num_accepted, candidates[num_accepted]
-
-
-# The most draft tokens "auto" proposes per round.
-MAX_AUTO_DRAFT = 16
-# When "auto" finds drafting not worth it, it still drafts one token every
-# this many rounds, so its estimate can notice the draft agreeing again.
-PROBE_EVERY = 8
-# Before a generation's first tested draft token at a given position, "auto"
-# assumes this acceptance rate there, weighted as this many tested tokens.
-PRIOR_ACCEPTANCE = 0.75
-PRIOR_WEIGHT = 4
-
-
-def expected_tokens_per_round(alpha: float, num_draft: int) -> float:
-    """Leviathan et al., eq. 1: the expected tokens a round of ``num_draft``
-    draft tokens yields when each is accepted with probability ``alpha``,
-    ``(1 - alpha^(g+1)) / (1 - alpha)``."""
-    if alpha >= 1:
-        return num_draft + 1
-    return (1 - alpha ** (num_draft + 1)) / (1 - alpha)
-
-
-def best_num_draft(acceptance: list[float], draft_cost: float, verify_costs: list[float]) -> int:
-    """The g in 0 .. len(verify_costs) - 1 with the most expected tokens per
-    unit of time. ``acceptance[i]`` is the probability that draft token i + 1
-    is accepted once the tokens before it were, so a round of g yields
-    ``1 + a_1 + a_1 a_2 + ... + a_1 ... a_g`` tokens (eq. 1 when every a_i is
-    the same alpha); it costs ``g * draft_cost + verify_costs[g]``: g draft
-    steps and a main pass over g + 1 tokens, both relative to a main pass
-    over one token (``verify_costs[0] == 1``). g = 0 is a plain main-model
-    step, one token per pass: the choice when drafting does not pay."""
-    reach = np.cumprod(acceptance[: len(verify_costs) - 1])  # a_1 ... a_i
-    # Index g: the tokens a round of g draft tokens yields.
-    tokens = 1 + np.concatenate([[0.0], np.cumsum(reach)])
-    return max(
-        range(len(verify_costs)),
-        key=lambda g: tokens[g] / (g * draft_cost + verify_costs[g]),
-    )
-
-
-def pass_times(
-    model: T5, encoder_output: mx.array, max_length: int, repeats: int = 3
-) -> list[float]:
-    """Median seconds of one decoder pass of ``model`` over 1 .. ``max_length``
-    tokens, after one cached token, timed in rounds so drift hits every length."""
-    cache = model.make_cache(encoder_output)
-    start = mx.array([[model.args.decoder_start_token_id]])
-    mx.eval(model.decode(start, cache))
-    times = [[] for _ in range(max_length)]
-    for _ in range(repeats):
-        for length in range(1, max_length + 1):
-            tic = time.perf_counter()
-            mx.eval(model.decode(mx.repeat(start, length, axis=1), cache))
-            times[length - 1].append(time.perf_counter() - tic)
-            cache.trim(length)
-    return [statistics.median(t) for t in times]
-
-
-@dataclass
-class Draft:
-    """Tokens proposed for one round, and their proposal distributions."""
-
-    tokens: mx.array  # (g,)
-    probs: mx.array | None  # (g, vocabulary); None when greedy
-    source: str  # "model" or "lookup": whose acceptance estimate the round updates
-
-
-class ModelDrafter:
-    """Drafts with a small model, one token at a time, for one generation."""
-
-    source = "model"
-
-    def __init__(self, model: T5, prompt_ids: mx.array):
-        self.model = model
-        self.cache = model.make_cache(model.encode(prompt_ids))
-        mx.eval(self.cache.cross_keys_values)
-
-    def propose(
-        self, sequence: list[int], sampling: Sampling, budget: Callable[[str], int]
-    ) -> Draft | None:
-        """``budget("model")`` tokens, without waiting for them (the last one
-        is not fed back); None for a budget of 0."""
-        num_draft = budget(self.source)
-        if num_draft == 0:
-            return None
-        inputs = mx.array([_catch_up(self.cache, sequence)])
-        tokens, probs = [], []
-        for _ in range(num_draft):
-            logits = self.model.decode(inputs, self.cache)[0, -1]
-            token, token_probs = sampling.sample(logits)
-            # Start computing this token while Python builds the next step's
-            # graph; nothing waits for it until the round's single eval.
-            mx.async_eval(token)
-            tokens.append(token)
-            probs.append(token_probs)
-            inputs = token.reshape(1, 1)
-        draft_probs = None if sampling.greedy else mx.stack(probs)
-        return Draft(mx.stack(tokens), draft_probs, self.source)
-
-
-def draft_token_time(drafter: ModelDrafter, num_draft: int = 8, repeats: int = 3) -> float:
-    """Median seconds per token of ``drafter`` proposing ``num_draft`` tokens
-    after the start token as in a round, where each step's graph is built
-    while the previous one computes (cheaper than one step timed alone)."""
-    start = [drafter.model.args.decoder_start_token_id]
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        mx.eval(drafter.propose(start, Sampling(), lambda source: num_draft).tokens)
-        times.append((time.perf_counter() - tic) / num_draft)
-    return statistics.median(times)
-
-
-def find_continuation(tokens: list[int], max_ngram: int, min_ngram: int = 1) -> list[int]:
-    """The tokens that followed the latest earlier occurrence of the longest
-    n-gram (``max_ngram`` down to ``min_ngram``) that ends ``tokens``; empty
-    when none occurs earlier."""
-    array = np.array(tokens)
-    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
-        # Windows of tokens[:-1] end before the last token, so the n-gram
-        # never matches itself and something always follows a match.
-        windows = np.lib.stride_tricks.sliding_window_view(array[:-1], n)
-        matches = np.flatnonzero((windows == array[-n:]).all(axis=1))
-        if matches.size:
-            return tokens[matches[-1] + n :]
-    return []
-
-
-class PromptLookupDrafter:
-    """Drafts the tokens that followed the output's last n-gram where it
-    occurred before, in the prompt or in the output (prompt-lookup decoding).
-    The proposal is deterministic: a point mass."""
-
-    source = "lookup"
-
-    def __init__(self, prompt_ids: mx.array, vocab_size: int, max_ngram: int, min_ngram: int = 1):
-        self.prompt = prompt_ids[0].tolist()
-        self.vocab_size = vocab_size
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def propose(
-        self, sequence: list[int], sampling: Sampling, budget: Callable[[str], int]
-    ) -> Draft | None:
-        """Up to ``budget("lookup")`` tokens; None when no n-gram matches or
-        the budget is 0."""
-        output = sequence[1:]  # without the start token
-        if not output:
-            return None
-        found = find_continuation(self.prompt + output, self.max_ngram, self.min_ngram)
-        found = found[: budget(self.source)] if found else []
-        if not found:
-            return None
-        tokens = mx.array(found)
-        probs = None
-        if not sampling.greedy:
-            probs = (mx.arange(self.vocab_size) == tokens[:, None]).astype(mx.float32)
-        return Draft(tokens, probs, self.source)
-
-
-class HybridDrafter:
-    """Prompt lookup where it finds a match, the draft model elsewhere."""
-
-    def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
-        self.lookup, self.model = lookup, model
-
-    def propose(
-        self, sequence: list[int], sampling: Sampling, budget: Callable[[str], int]
-    ) -> Draft | None:
-        return self.lookup.propose(sequence, sampling, budget) or self.model.propose(
-            sequence, sampling, budget
-        )
-
-
-DRAFT_SOURCES = ("model", "lookup")
-
-
-def acceptance_counts() -> dict[str, np.ndarray]:
-    """For each draft source, zero [accepted, tested] counts per draft position."""
-    return {source: np.zeros((2, MAX_AUTO_DRAFT)) for source in DRAFT_SOURCES}
-
-
-class DraftLength:
-    """Draft tokens per round: a fixed number, or for ``"auto"`` the g that
-    ``best_num_draft`` picks from measured costs and the acceptance so far,
-    kept apart for each draft source and each position in the draft:
-    acceptance is not independent from token to token (a draft that got past
-    its first tokens tends to go on agreeing), so one rate for all positions
-    misjudges long drafts.
-
-    ``earlier`` holds, per source, the [accepted, tested] counts per position
-    of the decoder's earlier generations, and is updated too. This
-    generation starts from their rate (itself starting from the prior),
-    weighted as PRIOR_WEIGHT tokens, so its own rounds soon outweigh it."""
-
-    def __init__(
-        self,
-        num_draft: int | str,
-        draft_costs: dict[str, float],
-        verify_costs: list[float],
-        earlier: dict[str, np.ndarray] | None = None,
-    ):
-        self.num_draft = num_draft
-        self.draft_costs, self.verify_costs = draft_costs, verify_costs
-        self.earlier = acceptance_counts() if earlier is None else earlier
-        self.counts = {}  # per source: [accepted, tested] per position, prior included
-        for source, (accepted, tested) in self.earlier.items():
-            rate = (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tested + PRIOR_WEIGHT)
-            self.counts[source] = np.stack([rate * PRIOR_WEIGHT, np.full_like(rate, PRIOR_WEIGHT)])
-        self.undrafted = dict.fromkeys(DRAFT_SOURCES, 0)  # rounds "auto" chose not to draft
-
-    def choose(self, source: str) -> int:
-        """Draft tokens for the next round from ``source``; 0: a plain step."""
-        if self.num_draft != "auto":
-            return self.num_draft
-        accepted, tested = self.counts[source]
-        num_draft = best_num_draft(accepted / tested, self.draft_costs[source], self.verify_costs)
-        if num_draft == 0:
-            self.undrafted[source] += 1
-            if self.undrafted[source] % PROBE_EVERY == 0:
-                return 1
-        return num_draft
-
-    def update(self, source: str, num_accepted: int, num_tested: int) -> None:
-        """A round tested the first ``num_tested`` draft tokens and accepted
-        the first ``num_accepted`` of them."""
-        for counts in (self.counts[source], self.earlier[source]):
-            counts[0, :num_accepted] += 1
-            counts[1, :num_tested] += 1
+    if draft_lengths is not None:
+        accepted = accepted & (mx.arange(num_draft) < draft_lengths[:, None])
+    num_accepted = mx.cumprod(accepted.astype(mx.int32), axis=1).sum(axis=1)
+    next_token = mx.take_along_axis(candidates, num_accepted[:, None], axis=1)[:, 0]
+    return num_accepted, next_token
 
 
 @dataclass
@@ -384,8 +173,13 @@ class GenerationResult:
     )  # per round: draft tokens proposed
     n_lookup_rounds: int = 0  # rounds drafted by prompt lookup
     prompt_tokens: int = 0  # tokens of the prompt, end-of-sequence included
-    prompt_time: float = 0.0  # seconds encoding the prompt (both models, cross-attention too)
-    elapsed: float = 0.0  # seconds in all, prompt processing included
+    # Seconds encoding the prompt (both models, cross-attention too); the
+    # prompts that start a batch share their batch's time evenly.
+    prompt_time: float = 0.0
+    # Seconds "auto" spent measuring costs before this generation's batch began.
+    calibration_time: float = 0.0
+    elapsed: float = 0.0  # seconds in all, from the start of the prompt's processing
+    finished: bool = False  # the last result of this generation
 
     @property
     def acceptance_rate(self) -> float:
@@ -399,7 +193,7 @@ class GenerationResult:
     @property
     def generation_time(self) -> float:
         """Seconds spent generating, after the prompt was processed."""
-        return self.elapsed - self.prompt_time
+        return self.elapsed - self.prompt_time - self.calibration_time
 
     @property
     def tokens_per_second(self) -> float:
@@ -457,12 +251,14 @@ def check_draft_directories(main_path: str | Path, draft_path: str | Path) -> No
     check_draft_compatible(*args, str(main_path), str(draft_path), *vocabs)
 
 
-def _catch_up(cache: DecoderCache, sequence: list[int]) -> list[int]:
-    """Trim ``cache`` to the accepted ``sequence`` (keeping every position
-    whose token was accepted) and return the tokens it has yet to process.
-    The last token of the sequence is never cached: it is the next input."""
-    cache.trim(max(0, cache.offset - (len(sequence) - 1)))
-    return sequence[cache.offset :]
+@dataclass
+class Row:
+    """One prompt being decoded in a batch."""
+
+    index: int  # the prompt's place in the input
+    sequence: list[int]  # the start token and every token generated
+    result: GenerationResult
+    start: float  # time.perf_counter() when its prompt processing began
 
 
 class SpeculativeDecoder:
@@ -494,7 +290,7 @@ class SpeculativeDecoder:
         self.num_draft = num_draft
         self.delta = delta
         self.prompt_lookup = prompt_lookup
-        self._costs = {}  # measured once: see measure_costs
+        self._costs = {}  # measured once per batch size: see measure_costs
         self._acceptance = {}  # per way of drafting: see DraftLength
 
     @property
@@ -506,139 +302,225 @@ class SpeculativeDecoder:
             return "prompt lookup"
         return "none" if self.draft_model is None else "draft model"
 
-    def _prompt_ids(self, prompt: str | list[int]) -> mx.array:
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> mx.array:
         ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
         if not ids or (isinstance(prompt, str) and not prompt.strip()):
             raise ValueError("the prompt is empty")
         return mx.array([ids])
 
-    def _drafter(self, prompt_ids: mx.array):
-        """A drafter for one generation of ``prompt_ids``."""
+    def _prompt_cache(self, prompt_ids: mx.array) -> DecoderCache:
+        cache = self.model.make_cache(self.model.encode(prompt_ids))
+        # Prompt processing ends here, so generation speed can be told apart from it.
+        mx.eval(cache.cross_keys_values)
+        return cache
+
+    def _drafter(self, prompts: list[mx.array]):
+        """A drafter for a batch of ``prompts``."""
         vocab_size = self.model.args.vocab_size
         if self.drafting == "prompt lookup":
-            return PromptLookupDrafter(prompt_ids, vocab_size, self.prompt_lookup)
-        model_drafter = ModelDrafter(self.draft_model, prompt_ids)
+            return PromptLookupDrafter(prompts, vocab_size, self.prompt_lookup)
+        model_drafter = ModelDrafter(self.draft_model, prompts)
         if self.drafting == "draft model":
             return model_drafter
         # Single-token matches are weak; the draft model does better there.
         lookup = PromptLookupDrafter(
-            prompt_ids, vocab_size, self.prompt_lookup, min(2, self.prompt_lookup)
+            prompts, vocab_size, self.prompt_lookup, min(2, self.prompt_lookup)
         )
         return HybridDrafter(lookup, model_drafter)
 
-    def measure_costs(self, prompt_ids: mx.array) -> tuple[dict[str, float], list[float]]:
-        """What "auto" weighs, timed on ``prompt_ids`` once per decoder (and
-        draft model): a draft token's time, drafted as in a round, over a
-        main step's, for each draft source, and the time of a main pass over
-        1 .. MAX_AUTO_DRAFT + 1 tokens over that of a pass over one. The first generation with
-        num_draft="auto" pays for it, in its prompt time."""
-        if "verify" not in self._costs:
-            main = pass_times(self.model, self.model.encode(prompt_ids), MAX_AUTO_DRAFT + 1)
-            self._costs["verify"] = [t / main[0] for t in main]
-            self._costs["main step"] = main[0]
+    def measure_costs(
+        self, prompt_ids: mx.array, batch_size: int = 1
+    ) -> tuple[dict[str, float], list[float]]:
+        """What "auto" weighs at ``batch_size`` rows, timed on ``prompt_ids``
+        once per decoder (and draft model) and batch size: a draft token's
+        time, drafted as in a round, over a main step's, for each draft
+        source, and the time of a main pass over 1 .. MAX_AUTO_DRAFT + 1
+        tokens per row over that of a pass over one."""
+        if ("verify", batch_size) not in self._costs:
+            encoder_output = self.model.encode(prompt_ids)
+            main = pass_times(self.model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size)
+            self._costs["verify", batch_size] = [t / main[0] for t in main]
+            self._costs["main step", batch_size] = main[0]
         # Looking up draft tokens costs next to nothing.
         draft_costs = {"lookup": 0.0}
         if self.draft_model is not None:
-            if id(self.draft_model) not in self._costs:
-                draft_step = draft_token_time(ModelDrafter(self.draft_model, prompt_ids))
-                self._costs[id(self.draft_model)] = draft_step / self._costs["main step"]
-            draft_costs["model"] = self._costs[id(self.draft_model)]
-        return draft_costs, self._costs["verify"]
+            key = id(self.draft_model), batch_size
+            if key not in self._costs:
+                draft_step = draft_token_time(self.draft_model, prompt_ids, batch_size)
+                self._costs[key] = draft_step / self._costs["main step", batch_size]
+            draft_costs["model"] = self._costs[key]
+        return draft_costs, self._costs["verify", batch_size]
 
-    def stream(
+    def stream_batch(
         self,
-        prompt: str | list[int],
+        prompts: Sequence[str | Sequence[int]],
         *,
         speculative: bool = True,
+        batch_size: int = 8,
         max_tokens: int = 100,
         temp: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
-    ) -> Iterator[GenerationResult]:
-        """Decode ``prompt`` and yield the running result after every
-        main-model pass. Regular decoding (``speculative=False``, or nothing
-        to draft with) is the same loop with no draft tokens."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    ) -> Iterator[tuple[int, GenerationResult]]:
+        """Decode ``prompts``, ``batch_size`` at a time, and yield ``(index,
+        result)`` for every prompt in the batch after every main-model pass;
+        ``result.finished`` marks a prompt's last. A prompt that finishes
+        (end of sequence or ``max_tokens``) leaves the batch and the next
+        waiting prompt takes its place. Regular decoding
+        (``speculative=False``, or nothing to draft with) is the same loop
+        with no draft tokens."""
+        if isinstance(prompts, str) or not prompts:
+            raise ValueError("prompts must be a non-empty list of prompts")
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
+        if seed is not None and not (isinstance(seed, int) and seed >= 0):
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         sampling = Sampling(temp, top_p, top_k)
         speculative = speculative and self.drafting != "none"
+        queue = deque(enumerate(map(self._prompt_ids, prompts)))
         if seed is not None:
             mx.random.seed(seed)
-        start = time.perf_counter()
-        prompt_ids = self._prompt_ids(prompt)
         eos = self.model.args.eos_token_id
-        main_cache = self.model.make_cache(self.model.encode(prompt_ids))
-        # Prompt processing ends here, so generation speed can be told apart from it.
-        mx.eval(main_cache.cross_keys_values)
-        drafter = self._drafter(prompt_ids) if speculative else None
+
+        start = time.perf_counter()
+        first = [queue.popleft() for _ in range(min(batch_size, len(queue)))]
+        main_cache = DecoderCache.join([self._prompt_cache(ids) for _, ids in first])
+        drafter = self._drafter([ids for _, ids in first]) if speculative else None
+        prompt_time = (time.perf_counter() - start) / len(first)
+        calibration_time = 0.0
         if drafter is not None:
-            costs = self.measure_costs(prompt_ids) if self.num_draft == "auto" else ({}, [])
+            tic = time.perf_counter()
+            costs = ({}, [])
+            if self.num_draft == "auto":
+                costs = self.measure_costs(first[0][1], len(first))
+            calibration_time = time.perf_counter() - tic
             # Acceptance depends on the pair, how lookup matches, sampling and delta.
             key = self.drafting, self.prompt_lookup, id(self.draft_model), sampling, self.delta
             earlier = self._acceptance.setdefault(key, acceptance_counts())
             draft_length = DraftLength(self.num_draft, *costs, earlier)
-        sequence = [self.model.args.decoder_start_token_id]
-        result = GenerationResult(
-            tokens=[],
-            prompt_tokens=prompt_ids.shape[1],
-            prompt_time=time.perf_counter() - start,
-        )
-        while len(result.tokens) < max_tokens:
-            # Never propose more tokens than may still be generated.
-            limit = max_tokens - len(result.tokens) - 1
+        rows = [self._row(index, ids, start, prompt_time, calibration_time) for index, ids in first]
+        while rows:
+            sequences = [row.sequence for row in rows]
+            # Never propose more tokens than a row may still generate.
+            limits = [max_tokens - len(row.result.tokens) - 1 for row in rows]
             draft = None
-            if drafter is not None and limit > 0:
-                draft = drafter.propose(
-                    sequence,
-                    sampling,
-                    lambda source, limit=limit: min(draft_length.choose(source), limit),
-                )
-            if draft is None:
-                draft = Draft(mx.array([], mx.int32), None, "none")
-            num_draft = draft.tokens.shape[0]
-            pending = _catch_up(main_cache, sequence)
-            inputs = mx.concatenate([mx.array(pending), draft.tokens])
-            logits = self.model.decode(inputs[None], main_cache)[0]
-            num_accepted, next_token = verify(
-                draft.tokens, draft.probs, logits, sampling, self.delta
+            if drafter is not None and max(limits) > 0:
+                draft = drafter.propose(sequences, sampling, draft_length.choose, limits)
+            draft = draft or Draft.empty(len(rows))
+            # The main cache holds every accepted position of a row but its
+            # last token, which is the next input.
+            trim_to(main_cache, sequences)
+            inputs = mx.concatenate([mx.array([[s[-1]] for s in sequences]), draft.tokens], axis=1)
+            logits = self.model.decode(inputs, main_cache)
+            num_accepted, next_tokens = verify(
+                draft.tokens, draft.probs, logits, sampling, self.delta, mx.array(draft.lengths)
             )
-            mx.eval(num_accepted, next_token, draft.tokens)
+            mx.eval(num_accepted, next_tokens, draft.tokens)
 
-            num_accepted = num_accepted.item()
-            new_tokens = draft.tokens[:num_accepted].tolist() + [next_token.item()]
-            rejected = num_accepted < num_draft
-            finished = eos in new_tokens
-            if finished:
-                end = new_tokens.index(eos)
-                if end < num_accepted:  # the draft's own EOS: later draft tokens went untested
-                    num_accepted, rejected = end + 1, False
-                new_tokens = new_tokens[:end]
-            if num_draft > 0:
-                draft_length.update(draft.source, num_accepted, num_accepted + int(rejected))
-                result.draft_lengths.append(num_draft)
-                result.n_lookup_rounds += draft.source == "lookup"
-            result.n_steps += 1
-            result.n_draft += num_draft
-            result.n_accepted += num_accepted
-            result.n_rejected += int(rejected)
-            sequence += new_tokens
-            result.tokens += new_tokens
-            result.from_draft += [i < num_accepted for i in range(len(new_tokens))]
-            result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
-            result.elapsed = time.perf_counter() - start
+            done = []
+            for i, (row, accepted, next_token, draft_tokens) in enumerate(
+                zip(rows, num_accepted.tolist(), next_tokens.tolist(), draft.tokens.tolist())
+            ):
+                num_draft = draft.lengths[i]
+                new_tokens = draft_tokens[:accepted] + [next_token]
+                rejected = accepted < num_draft
+                finished = eos in new_tokens
+                if finished:
+                    end = new_tokens.index(eos)
+                    if end < accepted:  # the draft's own EOS: later draft tokens went untested
+                        accepted, rejected = end + 1, False
+                    new_tokens = new_tokens[:end]
+                result = row.result
+                if num_draft > 0:
+                    draft_length.update(draft.sources[i], accepted, accepted + int(rejected))
+                    result.draft_lengths.append(num_draft)
+                    result.n_lookup_rounds += draft.sources[i] == "lookup"
+                result.n_steps += 1
+                result.n_draft += num_draft
+                result.n_accepted += accepted
+                result.n_rejected += int(rejected)
+                row.sequence += new_tokens
+                result.tokens += new_tokens
+                result.from_draft += [j < accepted for j in range(len(new_tokens))]
+                result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+                result.finished = finished or len(result.tokens) >= max_tokens
+                result.elapsed = time.perf_counter() - row.start
+                yield row.index, result
+                if result.finished:
+                    done.append(i)
+
+            # Waiting prompts take the places of finished ones; then the rest leave.
+            while done and queue:
+                row, (index, ids) = done.pop(0), queue.popleft()
+                tic = time.perf_counter()
+                main_cache.restart_row(row, self._prompt_cache(ids))
+                if drafter is not None:
+                    drafter.restart_row(row, ids)
+                rows[row] = self._row(index, ids, tic, time.perf_counter() - tic)
+            if done:
+                kept = [i for i in range(len(rows)) if i not in done]
+                rows = [rows[i] for i in kept]
+                if rows:
+                    main_cache.keep_rows(kept)
+                    if drafter is not None:
+                        drafter.keep_rows(kept)
+
+    def _row(
+        self,
+        index: int,
+        prompt_ids: mx.array,
+        start: float,
+        prompt_time: float,
+        calibration_time: float = 0.0,
+    ) -> Row:
+        """A row about to decode the prompt at ``index``, its prompt processed."""
+        result = GenerationResult(
+            [],
+            prompt_tokens=prompt_ids.shape[1],
+            prompt_time=prompt_time,
+            calibration_time=calibration_time,
+        )
+        return Row(index, [self.model.args.decoder_start_token_id], result, start)
+
+    def stream(
+        self, prompt: str | Sequence[int], *, speculative: bool = True, **kwargs
+    ) -> Iterator[GenerationResult]:
+        """Decode ``prompt`` and yield the running result after every
+        main-model pass: ``stream_batch`` with a batch of one. Takes its
+        keyword arguments: max_tokens, temp, top_p, top_k, seed."""
+        for _, result in self.stream_batch(
+            [prompt], speculative=speculative, batch_size=1, **kwargs
+        ):
             yield result
-            if finished:
-                break
 
-    def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
         """Regular decoding with the main model alone. Takes the keyword
         arguments of ``stream``: max_tokens, temp, top_p, top_k, seed."""
         return _last(self.stream(prompt, speculative=False, **kwargs))
 
-    def speculative_decode(self, prompt: str | list[int], **kwargs) -> GenerationResult:
+    def speculative_decode(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
         """Speculative decoding; same arguments as ``generate``."""
         return _last(self.stream(prompt, speculative=True, **kwargs))
+
+    def generate_batch(
+        self, prompts: Sequence[str | Sequence[int]], batch_size: int = 8, **kwargs
+    ) -> list[GenerationResult]:
+        """Regular decoding of every prompt, ``batch_size`` at a time;
+        results in input order. Takes the keyword arguments of ``stream``."""
+        return _finished(
+            self.stream_batch(prompts, speculative=False, batch_size=batch_size, **kwargs)
+        )
+
+    def speculative_decode_batch(
+        self, prompts: Sequence[str | Sequence[int]], batch_size: int = 8, **kwargs
+    ) -> list[GenerationResult]:
+        """Speculative decoding of every prompt; same arguments as ``generate_batch``."""
+        return _finished(
+            self.stream_batch(prompts, speculative=True, batch_size=batch_size, **kwargs)
+        )
 
 
 def _last(results: Iterator[GenerationResult]) -> GenerationResult:
@@ -646,3 +528,9 @@ def _last(results: Iterator[GenerationResult]) -> GenerationResult:
     for result in results:
         pass
     return result
+
+
+def _finished(results: Iterator[tuple[int, GenerationResult]]) -> list[GenerationResult]:
+    """The finished results of ``stream_batch``, in input order."""
+    finished = {index: result for index, result in results if result.finished}
+    return [finished[index] for index in sorted(finished)]

@@ -102,33 +102,32 @@ class RelativePositionBias(nn.Module):
         self.max_distance = args.relative_attention_max_distance
         self.embeddings = nn.Embedding(self.num_buckets, args.num_heads)
 
-    def __call__(self, query_length: int, key_length: int, offset: int = 0) -> mx.array:
-        """Bias of shape [1, heads, query_length, key_length] for queries at
-        positions ``offset .. offset + query_length - 1``."""
-        query_position = mx.arange(offset, offset + query_length)[:, None]
-        key_position = mx.arange(key_length)[None, :]
+    def __call__(self, query_positions: mx.array, key_length: int) -> mx.array:
+        """Bias [B, heads, T, key_length] for queries at ``query_positions``
+        [B, T] (each row of a batch has its own) and keys at 0 .. key_length - 1."""
         buckets = relative_position_bucket(
-            key_position - query_position,
+            mx.arange(key_length) - query_positions[..., None],
             self.bidirectional,
             self.num_buckets,
             self.max_distance,
         )
-        return self.embeddings(buckets).transpose(2, 0, 1)[None]
+        return self.embeddings(buckets).transpose(0, 3, 1, 2)
 
 
 class Linear(nn.Linear):
-    """``x W^T`` without bias. On the CPU, a projection to fewer features
-    than it reads (the output projections, ``wo``) is computed as
-    ``(W x^T)^T``: the same numbers, but for a few rows of ``x`` OpenBLAS
-    then streams ``W`` instead of first copying all of it (here 1.0-2.2x
-    faster for those products, most for the widest)."""
+    """``x W^T`` without bias. On the CPU, a projection of a single row to
+    fewer features than it reads (the output projections, ``wo``) is
+    computed as ``(W x^T)^T``: the same numbers, but OpenBLAS then streams
+    ``W`` instead of first copying all of it. With more rows (a batch, a
+    verify pass) that form makes OpenBLAS run a product with few columns,
+    up to twice as slow as ``x W^T``."""
 
     def __init__(self, input_dims: int, output_dims: int):
         super().__init__(input_dims, output_dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         output_dims, input_dims = self.weight.shape
-        if output_dims < input_dims and mx.default_device() == mx.cpu:
+        if x.size == input_dims and output_dims < input_dims and mx.default_device() == mx.cpu:
             return (self.weight @ x.swapaxes(-1, -2)).swapaxes(-1, -2)
         return x @ self.weight.T
 
@@ -251,64 +250,160 @@ class EncoderLayer(nn.Module):
 
 
 class KVCache:
-    """Self-attention keys and values of one decoder layer.
+    """Self-attention keys and values of one decoder layer, for a batch of
+    rows that each have their own length (rows of a speculative batch
+    accept different numbers of draft tokens).
 
-    Storage grows in chunks of ``step`` positions, so appending a token is a
-    slice write, not a concatenation; ``trim`` only moves the end marker.
+    Each row writes at its own length; storage grows in chunks of ``step``
+    positions, so appending is a write, not a concatenation. ``trim`` only
+    moves a row's end marker: what lies past it is hidden by the causal mask
+    (it is "later" than every query of the row) and overwritten by the row's
+    next tokens.
     """
 
     step = 256
 
-    def __init__(self):
+    def __init__(self, batch_size: int = 1):
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
-        self.offset = 0
+        self.lengths = [0] * batch_size
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append [B, heads, T, d_kv] keys/values; return everything cached so far."""
-        end = self.offset + keys.shape[2]
+        """Append [B, heads, T, d_kv] keys/values to every row; return the
+        cache up to the longest row."""
+        length = keys.shape[2]
+        end = max(self.lengths) + length
         if self.keys is None or end > self.keys.shape[2]:
+            self._grow(keys, values, end)
+        if min(self.lengths) == max(self.lengths):  # one write for all rows
+            start = self.lengths[0]
+            self.keys[..., start:end, :] = keys
+            self.values[..., start:end, :] = values
+        else:
             batch, heads, _, dim = keys.shape
-            capacity = self.step * math.ceil(end / self.step)
-            new_keys = mx.zeros((batch, heads, capacity, dim), keys.dtype)
-            new_values = mx.zeros((batch, heads, capacity, dim), values.dtype)
-            if self.keys is not None:
-                new_keys[..., : self.offset, :] = self.keys[..., : self.offset, :]
-                new_values[..., : self.offset, :] = self.values[..., : self.offset, :]
-            self.keys, self.values = new_keys, new_values
-        self.keys[..., self.offset : end, :] = keys
-        self.values[..., self.offset : end, :] = values
-        self.offset = end
+            positions = mx.array(self.lengths)[:, None] + mx.arange(length)
+            index = mx.broadcast_to(positions[:, None, :, None], (batch, heads, length, dim))
+            self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, index, values, axis=2)
+        self.lengths = [n + length for n in self.lengths]
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` positions; returns how many were removed."""
-        n = min(n, self.offset)
-        self.offset -= n
-        return n
+    def _grow(self, keys: mx.array, values: mx.array, end: int) -> None:
+        batch, heads, _, dim = keys.shape
+        capacity = self.step * math.ceil(end / self.step)
+        new_keys = mx.zeros((batch, heads, capacity, dim), keys.dtype)
+        new_values = mx.zeros((batch, heads, capacity, dim), values.dtype)
+        if self.keys is not None:
+            kept = max(self.lengths)
+            new_keys[..., :kept, :] = self.keys[..., :kept, :]
+            new_values[..., :kept, :] = self.values[..., :kept, :]
+        self.keys, self.values = new_keys, new_values
+
+    def trim(self, counts: int | list[int]) -> None:
+        """Forget the last ``counts[i]`` positions of row i (one number: of every row)."""
+        if isinstance(counts, int):
+            counts = [counts] * len(self.lengths)
+        self.lengths = [max(0, n - c) for n, c in zip(self.lengths, counts, strict=True)]
+
+    def restart_row(self, row: int) -> None:
+        """Empty row ``row``, for a new prompt."""
+        self.lengths[row] = 0
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only ``rows``, in that order."""
+        if self.keys is not None:
+            index = mx.array(rows)
+            self.keys, self.values = self.keys[index], self.values[index]
+        self.lengths = [self.lengths[row] for row in rows]
+
+
+def pad_to(x: mx.array, length: int, axis: int) -> mx.array:
+    """``x`` with zeros appended along ``axis`` up to ``length``."""
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return mx.pad(x, widths)
 
 
 class DecoderCache:
-    """What the decoder keeps between steps for one batch of prompts: a
-    trimmable self-attention cache per layer, and the cross-attention keys and
-    values of the encoder output, computed once per prompt."""
+    """What the decoder keeps between steps for a batch of prompts: a
+    trimmable self-attention cache per layer, and the cross-attention keys
+    and values of each prompt's encoder output, computed once per prompt.
+    Prompts of different lengths share a cross-attention width, the
+    longest's; each row's padding is masked."""
 
-    def __init__(self, cross_keys_values: list[tuple[mx.array, mx.array]], memory_mask: mx.array):
-        self.self_attn = [KVCache() for _ in cross_keys_values]
+    def __init__(
+        self,
+        cross_keys_values: list[tuple[mx.array, mx.array]],
+        prompt_lengths: list[int],
+    ):
+        self.self_attn = [KVCache(len(prompt_lengths)) for _ in cross_keys_values]
         self.cross_keys_values = cross_keys_values
-        self.memory_mask = memory_mask
+        self.prompt_lengths = prompt_lengths
+        self._update_memory_mask()
+
+    def _update_memory_mask(self) -> None:
+        width = self.cross_keys_values[0][0].shape[2]
+        real = mx.arange(width) < mx.array(self.prompt_lengths)[:, None]
+        self.memory_mask = padding_mask(real, self.cross_keys_values[0][0].dtype)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Decoder positions cached, per row."""
+        return self.self_attn[0].lengths
 
     @property
     def offset(self) -> int:
-        """Number of decoder positions cached."""
-        return self.self_attn[0].offset
+        """Decoder positions cached in a batch of one."""
+        (length,) = self.lengths
+        return length
 
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` decoder positions in every layer."""
-        trimmed = 0
+    def trim(self, counts: int | list[int]) -> None:
+        """Forget the last ``counts[i]`` decoder positions of row i in every layer."""
         for cache in self.self_attn:
-            trimmed = cache.trim(n)
-        return trimmed
+            cache.trim(counts)
+
+    @classmethod
+    def join(cls, caches: list[DecoderCache]) -> DecoderCache:
+        """One cache for the rows of fresh ``caches``, their prompts padded
+        to the longest."""
+        width = max(max(cache.prompt_lengths) for cache in caches)
+        cross = [
+            tuple(
+                mx.concatenate([pad_to(c.cross_keys_values[layer][i], width, 2) for c in caches])
+                for i in range(2)
+            )
+            for layer in range(len(caches[0].cross_keys_values))
+        ]
+        return cls(cross, [n for cache in caches for n in cache.prompt_lengths])
+
+    def restart_row(self, row: int, cache: DecoderCache) -> None:
+        """Give row ``row`` the prompt of the fresh one-row ``cache``, with
+        no decoder positions."""
+        (prompt_length,) = cache.prompt_lengths
+        width = max(self.cross_keys_values[0][0].shape[2], prompt_length)
+        cross = []
+        for batch_kv, row_kv in zip(self.cross_keys_values, cache.cross_keys_values):
+            padded = []
+            for batch_array, row_array in zip(batch_kv, row_kv):
+                batch_array = pad_to(batch_array, width, 2)  # a longer prompt widens all rows
+                batch_array[row] = pad_to(row_array, width, 2)[0]
+                padded.append(batch_array)
+            cross.append(tuple(padded))
+        mx.eval(cross)
+        self.cross_keys_values = cross
+        self.prompt_lengths[row] = prompt_length
+        self._update_memory_mask()
+        for layer_cache in self.self_attn:
+            layer_cache.restart_row(row)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only ``rows``, in that order."""
+        index = mx.array(rows)
+        self.cross_keys_values = [(k[index], v[index]) for k, v in self.cross_keys_values]
+        self.prompt_lengths = [self.prompt_lengths[row] for row in rows]
+        self._update_memory_mask()
+        for cache in self.self_attn:
+            cache.keep_rows(rows)
 
 
 class DecoderLayer(nn.Module):
@@ -380,31 +475,38 @@ class T5(nn.Module):
         real tokens with 1 and padding with 0."""
         x = self.embed(inputs)
         length = inputs.shape[1]
-        attn_mask = self.encoder.position_bias(length, length) + padding_mask(mask, x.dtype)
+        positions = mx.arange(length)[None]
+        attn_mask = self.encoder.position_bias(positions, length) + padding_mask(mask, x.dtype)
         for layer in self.encoder.layers:
             x = layer(x, attn_mask)
         return self.encoder.norm(x)
 
     def make_cache(self, memory: mx.array, mask: mx.array | None = None) -> DecoderCache:
-        """A fresh decoder cache for the encoder output ``memory``."""
+        """A fresh decoder cache for the encoder output ``memory``; ``mask``
+        marks each row's real tokens with 1 and its right padding with 0."""
         # Read at every step: stored row-contiguous per head, so each step's
         # products read them in place instead of copying them first.
         cross = [
             tuple(map(mx.contiguous, layer.cross_attn.keys_values(memory)))
             for layer in self.decoder.layers
         ]
-        return DecoderCache(cross, padding_mask(mask, memory.dtype))
+        batch, length, _ = memory.shape
+        prompt_lengths = [length] * batch if mask is None else mask.sum(axis=1).tolist()
+        return DecoderCache(cross, prompt_lengths)
 
     def decode(self, decoder_inputs: mx.array, cache: DecoderCache) -> mx.array:
         """Logits [B, T, vocab] for the next token after each of the T new
-        decoder tokens; appends them to ``cache``."""
+        decoder tokens of every row; appends them to ``cache``, each row
+        after its own cached positions."""
         x = self.embed(decoder_inputs)
-        offset, length = cache.offset, decoder_inputs.shape[1]
-        total = offset + length
-        # Relative position buckets do not hide the future, so mask it.
-        future = mx.arange(total)[None, :] > mx.arange(offset, total)[:, None]
-        self_mask = self.decoder.position_bias(length, total, offset)
-        self_mask = mx.where(future, -mx.inf, self_mask).astype(x.dtype)
+        length = decoder_inputs.shape[1]
+        positions = mx.array(cache.lengths)[:, None] + mx.arange(length)  # [B, T]
+        key_length = max(cache.lengths) + length
+        # Relative position buckets do not hide the future, so mask it; this
+        # also hides whatever lies past a row's own length.
+        future = mx.arange(key_length) > positions[..., None]
+        self_mask = self.decoder.position_bias(positions, key_length)
+        self_mask = mx.where(future[:, None], -mx.inf, self_mask).astype(x.dtype)
         for layer, layer_cache, cross in zip(
             self.decoder.layers, cache.self_attn, cache.cross_keys_values
         ):

@@ -65,7 +65,7 @@ from reporting import format_table, pyplot, save_with_legend_below, write_tables
 from workers import Worker
 
 from cli import POSITIVE, ArgumentParser, num_draft
-from decoder import MAX_AUTO_DRAFT, expected_tokens_per_round, pass_times
+from drafting import MAX_AUTO_DRAFT, expected_tokens_per_round, pass_times
 
 PROMPTS = [
     "translate English to German: The museum opens at nine and closes early on Sundays.",

@@ -500,7 +500,7 @@ def cheap_drafts(decoder, draft_cost: float = 0.1) -> None:
     steps and a verify pass over any number of tokens as one. The tiny test
     draft model costs as much as its main model, so timed costs would rightly
     make auto draft little, and a test of drafting would test plain steps."""
-    from decoder import MAX_AUTO_DRAFT
+    from drafting import MAX_AUTO_DRAFT
 
     costs = {"model": draft_cost, "lookup": 0.0}, [1.0] * (MAX_AUTO_DRAFT + 1)
-    decoder.measure_costs = lambda prompt_ids: costs
+    decoder.measure_costs = lambda prompt_ids, batch_size=1: costs

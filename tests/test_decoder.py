@@ -14,11 +14,12 @@ from decoder import (
     IncompatibleDraftError,
     Sampling,
     SpeculativeDecoder,
-    _catch_up,
     check_draft_compatible,
     check_draft_directories,
     verify,
 )
+from drafting import trim_to
+from model import DecoderCache
 
 PROMPTS = [
     "translate English to German: the house is small and the garden is green.",
@@ -80,10 +81,11 @@ def test_delta_one_accepts_every_draft_token(temp, decoding_pair):
 
 def random_round(seed, num_draft=6, vocab_size=50):
     """Draft tokens, their draft distributions and main-model logits that
-    disagree in places, as one speculative round would produce them."""
+    disagree in places, as one speculative round would produce them (a batch of one)."""
     rng = np.random.default_rng(seed)
-    main_logits = mx.array(rng.normal(size=(num_draft + 1, vocab_size)) * 2)
-    draft_logits = main_logits[:num_draft] + mx.array(rng.normal(size=(num_draft, vocab_size)))
+    main_logits = mx.array(rng.normal(size=(1, num_draft + 1, vocab_size)) * 2)
+    noise = mx.array(rng.normal(size=(1, num_draft, vocab_size)))
+    draft_logits = main_logits[:, :num_draft] + noise
     return main_logits, draft_logits
 
 
@@ -101,7 +103,7 @@ def test_acceptance_never_decreases_as_delta_grows(temp):
             mx.random.seed(1000 + seed)  # the same uniforms for every delta
             counts.append(verify(draft_tokens, draft_probs, main_logits, sampling, delta)[0].item())
         assert counts == sorted(counts)
-        assert counts[-1] == len(draft_tokens)
+        assert counts[-1] == draft_tokens.shape[1]
         increased |= counts[0] < counts[-1]
     assert increased
 
@@ -109,8 +111,8 @@ def test_acceptance_never_decreases_as_delta_grows(temp):
 def test_greedy_delta_accepts_only_tokens_the_main_model_rates_highly():
     # The main model's probabilities at the draft token's position: 0.5 for
     # token 0, 0.4 for token 1 (the draft's choice), 0.1 for token 2.
-    main_logits = mx.log(mx.array([[0.5, 0.4, 0.1], [0.2, 0.3, 0.5]]))
-    draft_tokens = mx.array([1])
+    main_logits = mx.log(mx.array([[[0.5, 0.4, 0.1], [0.2, 0.3, 0.5]]]))
+    draft_tokens = mx.array([[1]])
     greedy = Sampling(temp=0.0)
 
     def run(delta):
@@ -128,7 +130,7 @@ def test_sampling_rule_matches_the_paper_on_one_position():
     """Acceptance probability min(1, p/q) and residual max(0, p - q), by counting."""
     p = np.array([0.6, 0.3, 0.1])
     q = np.array([0.2, 0.5, 0.3])
-    main_logits = mx.log(mx.array(np.stack([p, p])))
+    main_logits = mx.log(mx.array(np.stack([p, p])[None]))
     sampling = Sampling(temp=1.0)
     mx.random.seed(0)
     counts = {token: np.zeros(3) for token in range(3)}
@@ -137,7 +139,7 @@ def test_sampling_rule_matches_the_paper_on_one_position():
     for token in range(3):
         for _ in range(trials):
             num_accepted, next_token = verify(
-                mx.array([token]), mx.array(q[None]), main_logits, sampling, 0.0
+                mx.array([[token]]), mx.array(q[None, None]), main_logits, sampling, 0.0
             )
             if num_accepted.item() == 1:
                 accepted[token] += 1
@@ -267,17 +269,19 @@ def test_bad_decoder_arguments_are_refused(decoding_pair):
         SpeculativeDecoder(*decoding_pair).generate("   ")
 
 
-def test_catch_up_trims_to_the_accepted_prefix_and_feeds_the_rest(decoding_pair):
+def test_trim_to_keeps_the_accepted_prefix_of_each_row_and_returns_the_rest(decoding_pair):
     model = decoding_pair[0]
-    cache = model.make_cache(model.encode(mx.array([[5, 6, 7, 1]])))
-    model.decode(mx.array([[0, 11, 12, 13, 14]]), cache)
-    # Accepted: start, 11, 12, then a replacement 20. Positions for 13 and
-    # 14 go; 20 is the next input.
-    assert _catch_up(cache, [0, 11, 12, 20]) == [20]
-    assert cache.offset == 3
+    prompts = [model.make_cache(model.encode(mx.array([p]))) for p in ([5, 6, 7, 1], [8, 1])]
+    cache = DecoderCache.join(prompts)
+    model.decode(mx.array([[0, 11, 12, 13, 14], [0, 31, 32, 33, 34]]), cache)
+    # Row 0 accepted start, 11, 12, then a replacement 20: positions for 13
+    # and 14 go, 20 is the next input. Row 1 accepted everything and one more.
+    pending = trim_to(cache, [[0, 11, 12, 20], [0, 31, 32, 33, 34, 35]])
+    assert pending == [[20], [35]]
+    assert cache.lengths == [3, 5]
     # A draft that never processed its last accepted token gets it back too.
-    assert _catch_up(cache, [0, 11, 12, 20, 21, 22]) == [20, 21, 22]
-    assert cache.offset == 3
+    assert trim_to(cache, [[0, 11, 12, 20, 21, 22], [0, 31, 40]]) == [[20, 21, 22], [40]]
+    assert cache.lengths == [3, 2]
 
 
 def test_draft_with_another_vocabulary_size_is_refused(decoding_pair):

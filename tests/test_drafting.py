@@ -5,10 +5,10 @@ import mlx.core as mx
 import pytest
 from fixtures import cheap_drafts
 
-from decoder import (
+from decoder import SpeculativeDecoder
+from drafting import (
     PROBE_EVERY,
     DraftLength,
-    SpeculativeDecoder,
     acceptance_counts,
     best_num_draft,
     expected_tokens_per_round,

@@ -115,26 +115,28 @@ def miswritten_verify(rule: str):
     """``decoder.verify`` with one deliberate mistake, for the power checks."""
     correct = decoder_module.verify
 
-    def verify(draft_tokens, draft_probs, main_logits, sampling, delta):
-        if draft_tokens.shape[0] == 0:  # no draft tokens: nothing to get wrong
-            return correct(draft_tokens, draft_probs, main_logits, sampling, delta)
+    def verify(draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths=None):
+        arguments = draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths
+        if draft_tokens.shape[1] == 0:  # no draft tokens: nothing to get wrong
+            return correct(*arguments)
         if rule == "wrong prefix":
             # Off by one: x_i judged by the main model's distribution after x_i.
-            shifted = mx.concatenate([main_logits[1:], main_logits[-1:]])
-            return correct(draft_tokens, draft_probs, shifted, sampling, delta)
-        num_draft = draft_tokens.shape[0]
+            shifted = mx.concatenate([main_logits[:, 1:], main_logits[:, -1:]], axis=1)
+            return correct(draft_tokens, draft_probs, shifted, sampling, delta, draft_lengths)
+        batch_size, num_draft = draft_tokens.shape
         probs = sampling.probabilities(main_logits)
-        p = mx.take_along_axis(probs[:num_draft], draft_tokens[:, None], axis=-1)[:, 0]
-        q = mx.take_along_axis(draft_probs, draft_tokens[:, None], axis=-1)[:, 0]
-        u = mx.random.uniform(shape=(num_draft,))
+        p = mx.take_along_axis(probs[:, :num_draft], draft_tokens[..., None], axis=-1)[..., 0]
+        q = mx.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+        u = mx.random.uniform(shape=(batch_size, num_draft))
         accepted = u * p <= q if rule == "inverted ratio" else u * q <= p
-        replacements = mx.maximum(probs[:num_draft] - draft_probs, 0)
+        accepted = accepted & (mx.arange(num_draft) < draft_lengths[:, None])
+        replacements = mx.maximum(probs[:, :num_draft] - draft_probs, 0)
         if rule == "resample from p":
-            replacements = probs[:num_draft]
-        rows = mx.concatenate([replacements, probs[num_draft:]])
+            replacements = probs[:, :num_draft]
+        rows = mx.concatenate([replacements, probs[:, num_draft:]], axis=1)
         candidates = mx.random.categorical(mx.log(rows))
-        num_accepted = mx.cumprod(accepted.astype(mx.int32)).sum()
-        return num_accepted, candidates[num_accepted]
+        num_accepted = mx.cumprod(accepted.astype(mx.int32), axis=1).sum(axis=1)
+        return num_accepted, mx.take_along_axis(candidates, num_accepted[:, None], axis=1)[:, 0]
 
     return verify
 
@@ -223,15 +225,15 @@ def miswritten_point_mass_rule(rule: str):
     """``decoder.verify`` with a wrong rule for lookup drafts (one-hot q)."""
     correct = decoder_module.verify
 
-    def verify(draft_tokens, draft_probs, main_logits, sampling, delta):
-        if draft_tokens.shape[0] == 0:
-            return correct(draft_tokens, draft_probs, main_logits, sampling, delta)
+    def verify(draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths=None):
+        if draft_tokens.shape[1] == 0:
+            return correct(draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths)
         if rule == "always accept":
-            return correct(draft_tokens, draft_probs, main_logits, sampling, 1.0)
+            return correct(draft_tokens, draft_probs, main_logits, sampling, 1.0, draft_lengths)
         # "uniform q": the model-draft rule, as if the lookup token had been
         # drawn from the uniform distribution.
         uniform = mx.full(draft_probs.shape, 1 / draft_probs.shape[-1])
-        return correct(draft_tokens, uniform, main_logits, sampling, delta)
+        return correct(draft_tokens, uniform, main_logits, sampling, delta, draft_lengths)
 
     return verify
 

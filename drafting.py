@@ -1,0 +1,396 @@
+"""Where draft tokens come from, and how many to propose per round.
+
+A drafter proposes draft tokens for every row of a batch at once:
+``ModelDrafter`` (a small model), ``PromptLookupDrafter`` (the tokens that
+followed an earlier occurrence of the output's last n-gram, no model at all)
+or ``HybridDrafter`` (lookup where it matches, the model elsewhere). A
+lookup draft is a point mass: its proposal distribution q is one-hot, so
+``decoder.verify`` needs no rule of its own for it.
+
+``DraftLength`` says how many tokens to propose: a fixed number, or for
+``"auto"`` the number with the most expected tokens per unit of time, from
+the measured costs of draft steps and verify passes at the batch's size and
+the acceptance measured so far.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+# First: the fast BLAS on Linux must load before mlx (see model.py).
+import blas  # noqa: F401  # isort: skip
+import mlx.core as mx
+
+from model import T5, DecoderCache
+
+if TYPE_CHECKING:
+    from decoder import Sampling
+
+# The most draft tokens "auto" proposes per round.
+MAX_AUTO_DRAFT = 16
+# When "auto" finds drafting not worth it, it still drafts one token every
+# this many rounds, so its estimate can notice the draft agreeing again.
+PROBE_EVERY = 8
+# Before a generation's first tested draft token at a given position, "auto"
+# assumes this acceptance rate there, weighted as this many tested tokens.
+PRIOR_ACCEPTANCE = 0.75
+PRIOR_WEIGHT = 4
+DRAFT_SOURCES = ("model", "lookup")
+
+
+@dataclass
+class Draft:
+    """Tokens proposed for one round, for every row of the batch."""
+
+    tokens: mx.array  # [B, g]: each row's tokens, right-padded with 0 past its length
+    probs: mx.array | None  # [B, g, vocabulary], zero past each row's length; None when greedy
+    lengths: list[int]  # per row: tokens proposed (<= g)
+    sources: list[str]  # per row: whose acceptance estimate the round updates
+
+    @classmethod
+    def empty(cls, batch_size: int) -> Draft:
+        """No draft token for any row: the round is a plain decoding step."""
+        return cls(
+            mx.zeros((batch_size, 0), mx.int32), None, [0] * batch_size, ["none"] * batch_size
+        )
+
+
+def trim_to(cache: DecoderCache, sequences: list[list[int]]) -> list[list[int]]:
+    """Trim each row of ``cache`` to its accepted sequence (keeping every
+    position whose token was accepted) and return the tokens each row has
+    yet to process. The last token of a sequence is never cached: it is the
+    next input."""
+    cache.trim([max(0, n - (len(s) - 1)) for n, s in zip(cache.lengths, sequences, strict=True)])
+    return [s[n:] for n, s in zip(cache.lengths, sequences)]
+
+
+def decode_pending(model: T5, cache: DecoderCache, pending: list[list[int]]) -> mx.array:
+    """Feed each row its own ``pending`` tokens (right-padded into one
+    pass; the padding is trimmed away afterwards) and return the logits
+    [B, vocabulary] after each row's last one."""
+    width = max(map(len, pending))
+    inputs = mx.array([tokens + [0] * (width - len(tokens)) for tokens in pending])
+    logits = model.decode(inputs, cache)
+    cache.trim([width - len(tokens) for tokens in pending])
+    last = mx.array([len(tokens) - 1 for tokens in pending])
+    return mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+
+
+class ModelDrafter:
+    """Drafts with a small model, one token at a time for all rows at once;
+    each row has its own place in the draft model's cache."""
+
+    source = "model"
+
+    def __init__(self, model: T5, prompts: list[mx.array]):
+        self.model = model
+        self.cache = DecoderCache.join([self._prompt_cache(ids) for ids in prompts])
+        self.fed = 0  # draft tokens of the last proposal fed into the cache
+
+    def _prompt_cache(self, prompt_ids: mx.array) -> DecoderCache:
+        cache = self.model.make_cache(self.model.encode(prompt_ids))
+        mx.eval(cache.cross_keys_values)
+        return cache
+
+    def restart_row(self, row: int, prompt_ids: mx.array) -> None:
+        self.cache.restart_row(row, self._prompt_cache(prompt_ids))
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.cache.keep_rows(rows)
+
+    def propose(
+        self,
+        sequences: list[list[int]],
+        sampling: Sampling,
+        budget: Callable[[str], int],
+        limits: list[int],
+    ) -> Draft | None:
+        """``budget("model")`` tokens per row, at most ``limits[i]`` for row
+        i, without waiting for them (the last one is not fed back); None
+        when no row gets any."""
+        num_draft = min(budget(self.source), max(limits))
+        if num_draft == 0:
+            return None
+        logits = decode_pending(self.model, self.cache, trim_to(self.cache, sequences))
+        tokens, probs = [], []
+        for step in range(num_draft):
+            token, token_probs = sampling.sample(logits)
+            # Start computing this token while Python builds the next step's
+            # graph; nothing waits for it until the round's single eval.
+            mx.async_eval(token)
+            tokens.append(token)
+            probs.append(token_probs)
+            if step < num_draft - 1:
+                logits = self.model.decode(token[:, None], self.cache)[:, -1]
+        self.fed = num_draft - 1
+        lengths = [min(num_draft, limit) for limit in limits]
+        draft_probs = None if sampling.greedy else mx.stack(probs, axis=1)
+        draft = Draft(mx.stack(tokens, axis=1), draft_probs, lengths, [self.source] * len(limits))
+        return mask_past_lengths(draft)
+
+    def withdraw(self, rows: list[bool]) -> None:
+        """Forget the last proposal in the rows marked True (another drafter's
+        tokens were used there), so the cache holds accepted tokens only."""
+        self.cache.trim([self.fed if row else 0 for row in rows])
+
+
+def mask_past_lengths(draft: Draft) -> Draft:
+    """``draft`` with each row's tokens and probabilities past its length zeroed."""
+    width = draft.tokens.shape[1]
+    kept = mx.arange(width) < mx.array(draft.lengths)[:, None]
+    draft.tokens = mx.where(kept, draft.tokens, 0)
+    if draft.probs is not None:
+        draft.probs = mx.where(kept[..., None], draft.probs, 0.0)
+    return draft
+
+
+def draft_token_time(
+    model: T5, prompt_ids: mx.array, batch_size: int, num_draft: int = 8, repeats: int = 3
+) -> float:
+    """Median seconds per token of a ``ModelDrafter`` proposing ``num_draft``
+    tokens for ``batch_size`` rows after the start token as in a round,
+    where each step's graph is built while the previous one computes
+    (cheaper than one step timed alone)."""
+    from decoder import Sampling
+
+    drafter = ModelDrafter(model, [prompt_ids] * batch_size)
+    start = [[model.args.decoder_start_token_id]] * batch_size
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        draft = drafter.propose(
+            start, Sampling(), lambda source: num_draft, [num_draft] * batch_size
+        )
+        mx.eval(draft.tokens)
+        times.append((time.perf_counter() - tic) / num_draft)
+    return statistics.median(times)
+
+
+def pass_times(
+    model: T5, encoder_output: mx.array, max_length: int, batch_size: int = 1, repeats: int = 3
+) -> list[float]:
+    """Median seconds of one decoder pass of ``model`` over ``batch_size``
+    rows of 1 .. ``max_length`` tokens, after one cached token, timed in
+    rounds so drift hits every length."""
+    cache = model.make_cache(mx.repeat(encoder_output, batch_size, axis=0))
+    start = mx.full((batch_size, 1), model.args.decoder_start_token_id)
+    mx.eval(model.decode(start, cache))
+    times = [[] for _ in range(max_length)]
+    for _ in range(repeats):
+        for length in range(1, max_length + 1):
+            tic = time.perf_counter()
+            mx.eval(model.decode(mx.repeat(start, length, axis=1), cache))
+            times[length - 1].append(time.perf_counter() - tic)
+            cache.trim(length)
+    return [statistics.median(t) for t in times]
+
+
+def find_continuation(tokens: list[int], max_ngram: int, min_ngram: int = 1) -> list[int]:
+    """The tokens that followed the latest earlier occurrence of the longest
+    n-gram (``max_ngram`` down to ``min_ngram``) that ends ``tokens``; empty
+    when none occurs earlier."""
+    array = np.array(tokens)
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        # Windows of tokens[:-1] end before the last token, so the n-gram
+        # never matches itself and something always follows a match.
+        windows = np.lib.stride_tricks.sliding_window_view(array[:-1], n)
+        matches = np.flatnonzero((windows == array[-n:]).all(axis=1))
+        if matches.size:
+            return tokens[matches[-1] + n :]
+    return []
+
+
+class PromptLookupDrafter:
+    """Drafts, for each row, the tokens that followed the output's last
+    n-gram where it occurred before, in the prompt or in the output
+    (prompt-lookup decoding). The proposal is deterministic: a point mass."""
+
+    source = "lookup"
+
+    def __init__(
+        self, prompts: list[mx.array], vocab_size: int, max_ngram: int, min_ngram: int = 1
+    ):
+        self.prompts = [ids[0].tolist() for ids in prompts]
+        self.vocab_size = vocab_size
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def restart_row(self, row: int, prompt_ids: mx.array) -> None:
+        self.prompts[row] = prompt_ids[0].tolist()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.prompts = [self.prompts[row] for row in rows]
+
+    def propose(
+        self,
+        sequences: list[list[int]],
+        sampling: Sampling,
+        budget: Callable[[str], int],
+        limits: list[int],
+    ) -> Draft | None:
+        """Up to ``budget("lookup")`` tokens per row, at most ``limits[i]``
+        for row i; a row with no matching n-gram gets none. None when no
+        row gets any."""
+        found = []
+        for prompt, sequence in zip(self.prompts, sequences, strict=True):
+            output = sequence[1:]  # without the start token
+            found.append(
+                find_continuation(prompt + output, self.max_ngram, self.min_ngram) if output else []
+            )
+        if not any(found):
+            return None
+        num_draft = budget(self.source)
+        found = [tokens[: min(num_draft, limit)] for tokens, limit in zip(found, limits)]
+        width = max(map(len, found))
+        if width == 0:
+            return None
+        tokens = mx.array([row + [0] * (width - len(row)) for row in found])
+        lengths = [len(row) for row in found]
+        probs = None
+        if not sampling.greedy:
+            probs = (mx.arange(self.vocab_size) == tokens[..., None]).astype(mx.float32)
+        sources = [self.source if n else "none" for n in lengths]
+        return mask_past_lengths(Draft(tokens, probs, lengths, sources))
+
+
+class HybridDrafter:
+    """Prompt lookup in the rows where it finds a match, the draft model in
+    the others."""
+
+    def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+
+    def restart_row(self, row: int, prompt_ids: mx.array) -> None:
+        self.lookup.restart_row(row, prompt_ids)
+        self.model.restart_row(row, prompt_ids)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.lookup.keep_rows(rows)
+        self.model.keep_rows(rows)
+
+    def propose(
+        self,
+        sequences: list[list[int]],
+        sampling: Sampling,
+        budget: Callable[[str], int],
+        limits: list[int],
+    ) -> Draft | None:
+        looked_up = self.lookup.propose(sequences, sampling, budget, limits)
+        if looked_up is not None and all(looked_up.lengths):
+            return looked_up
+        modelled = self.model.propose(sequences, sampling, budget, limits)
+        if looked_up is None or modelled is None:
+            return looked_up or modelled
+        use_lookup = [n > 0 for n in looked_up.lengths]
+        self.model.withdraw(use_lookup)
+        return merge_drafts(looked_up, modelled, use_lookup)
+
+
+def merge_drafts(first: Draft, second: Draft, use_first: list[bool]) -> Draft:
+    """Row i of ``first`` where ``use_first[i]``, of ``second`` elsewhere."""
+    width = max(first.tokens.shape[1], second.tokens.shape[1])
+    chosen = mx.array(use_first)
+
+    def pick(a: mx.array, b: mx.array) -> mx.array:
+        padded = [
+            mx.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2)) for x in (a, b)
+        ]
+        return mx.where(chosen.reshape(-1, *[1] * (a.ndim - 1)), *padded)
+
+    probs = None if first.probs is None else pick(first.probs, second.probs)
+    return Draft(
+        pick(first.tokens, second.tokens),
+        probs,
+        [a if use else b for a, b, use in zip(first.lengths, second.lengths, use_first)],
+        [a if use else b for a, b, use in zip(first.sources, second.sources, use_first)],
+    )
+
+
+def expected_tokens_per_round(alpha: float, num_draft: int) -> float:
+    """Leviathan et al., eq. 1: the expected tokens a round of ``num_draft``
+    draft tokens yields when each is accepted with probability ``alpha``,
+    ``(1 - alpha^(g+1)) / (1 - alpha)``."""
+    if alpha >= 1:
+        return num_draft + 1
+    return (1 - alpha ** (num_draft + 1)) / (1 - alpha)
+
+
+def best_num_draft(acceptance: list[float], draft_cost: float, verify_costs: list[float]) -> int:
+    """The g in 0 .. len(verify_costs) - 1 with the most expected tokens per
+    unit of time. ``acceptance[i]`` is the probability that draft token i + 1
+    is accepted once the tokens before it were, so a round of g yields
+    ``1 + a_1 + a_1 a_2 + ... + a_1 ... a_g`` tokens (eq. 1 when every a_i is
+    the same alpha); it costs ``g * draft_cost + verify_costs[g]``: g draft
+    steps and a main pass over g + 1 tokens, both relative to a main pass
+    over one token (``verify_costs[0] == 1``). g = 0 is a plain main-model
+    step, one token per pass: the choice when drafting does not pay."""
+    reach = np.cumprod(acceptance[: len(verify_costs) - 1])  # a_1 ... a_i
+    # Index g: the tokens a round of g draft tokens yields.
+    tokens = 1 + np.concatenate([[0.0], np.cumsum(reach)])
+    return max(
+        range(len(verify_costs)),
+        key=lambda g: tokens[g] / (g * draft_cost + verify_costs[g]),
+    )
+
+
+def acceptance_counts() -> dict[str, np.ndarray]:
+    """For each draft source, zero [accepted, tested] counts per draft position."""
+    return {source: np.zeros((2, MAX_AUTO_DRAFT)) for source in DRAFT_SOURCES}
+
+
+class DraftLength:
+    """Draft tokens per round: a fixed number, or for ``"auto"`` the g that
+    ``best_num_draft`` picks from measured costs and the acceptance so far,
+    kept apart for each draft source and each position in the draft:
+    acceptance is not independent from token to token (a draft that got past
+    its first tokens tends to go on agreeing), so one rate for all positions
+    misjudges long drafts.
+
+    One g serves every row of a batch: the rows share the pair and so its
+    acceptance, and a verify pass costs what its longest row costs, so a
+    row drafting fewer tokens than the others would save nothing.
+
+    ``earlier`` holds, per source, the [accepted, tested] counts per position
+    of the decoder's earlier generations, and is updated too. This
+    generation starts from their rate (itself starting from the prior),
+    weighted as PRIOR_WEIGHT tokens, so its own rounds soon outweigh it."""
+
+    def __init__(
+        self,
+        num_draft: int | str,
+        draft_costs: dict[str, float],
+        verify_costs: list[float],
+        earlier: dict[str, np.ndarray] | None = None,
+    ):
+        self.num_draft = num_draft
+        self.draft_costs, self.verify_costs = draft_costs, verify_costs
+        self.earlier = acceptance_counts() if earlier is None else earlier
+        self.counts = {}  # per source: [accepted, tested] per position, prior included
+        for source, (accepted, tested) in self.earlier.items():
+            rate = (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tested + PRIOR_WEIGHT)
+            self.counts[source] = np.stack([rate * PRIOR_WEIGHT, np.full_like(rate, PRIOR_WEIGHT)])
+        self.undrafted = dict.fromkeys(DRAFT_SOURCES, 0)  # rounds "auto" chose not to draft
+
+    def choose(self, source: str) -> int:
+        """Draft tokens for the next round from ``source``; 0: a plain step."""
+        if self.num_draft != "auto":
+            return self.num_draft
+        accepted, tested = self.counts[source]
+        num_draft = best_num_draft(accepted / tested, self.draft_costs[source], self.verify_costs)
+        if num_draft == 0:
+            self.undrafted[source] += 1
+            if self.undrafted[source] % PROBE_EVERY == 0:
+                return 1
+        return num_draft
+
+    def update(self, source: str, num_accepted: int, num_tested: int) -> None:
+        """A round tested the first ``num_tested`` draft tokens of a row and
+        accepted the first ``num_accepted`` of them."""
+        for counts in (self.counts[source], self.earlier[source]):
+            counts[0, :num_accepted] += 1
+            counts[1, :num_tested] += 1

@@ -1,0 +1,271 @@
+"""Batched decoding is exact for every row: the same tokens as the prompt
+decoded alone at temperature 0, the main model's distribution when sampling,
+and the same logits as a row decoded alone, whatever the other rows do.
+Each check is shown to catch a wrong per-row trim and per-row positions
+taken from another row."""
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from fixtures import cheap_drafts
+from test_sampling_distribution import (
+    MAX_TOKENS,
+    NUM_DRAFT,
+    PROMPT,
+    RUNS,
+    TEMP,
+    chi_square_p_value,
+    exact_distribution,
+)
+
+from decoder import Sampling, SpeculativeDecoder
+from model import DecoderCache, KVCache
+
+# Prompts of very different lengths (3 to about 160 tokens).
+PROMPTS = [
+    "hi",
+    "translate English to German: the house is small and the garden is green.",
+    "summarize: " + "the children walked to the old market by the river in the morning. " * 12,
+    "question: where is the big red book? context: the book lies on the kitchen table.",
+    "the dog",
+    "translate English to French: we are going to the sea tomorrow.",
+    "summarize: " + "heavy rain fell on the green garden for three days and nights. " * 5,
+    "restore: the old man walks to the market by the river.",
+    "a",
+    "translate English to German: the old bridge was closed, so we took the ferry.",
+]
+MAX_NEW = 30
+
+
+def with_eos(model, eos):
+    """The same weights, reading ``eos`` as the end of sequence."""
+    changed = type(model)(dataclasses.replace(model.args, eos_token_id=eos))
+    changed.update(model.parameters())
+    return changed
+
+
+@pytest.fixture(scope="module")
+def early_ending_pair(decoding_pair):
+    """The decoding pair with a frequent output token read as the end of
+    sequence, so rows end at different points, many before MAX_NEW."""
+    model, draft_model, tokenizer = decoding_pair
+    decoder = SpeculativeDecoder(model, None, tokenizer)
+    outputs = [decoder.generate(prompt, max_tokens=MAX_NEW).tokens for prompt in PROMPTS]
+    counts = np.bincount([t for tokens in outputs for t in tokens[2:]])
+    eos = int(counts.argmax())
+    return with_eos(model, eos), with_eos(draft_model, eos), tokenizer
+
+
+DRAFTING = {
+    "regular": {},
+    "draft model": {"num_draft": 3},
+    "draft model auto": {"num_draft": "auto"},
+    "prompt lookup": {"num_draft": 4, "prompt_lookup": 2, "draft_model": None},
+    "hybrid auto": {"num_draft": "auto", "prompt_lookup": 3},
+}
+
+
+def decoder_for(pair, drafting: str) -> SpeculativeDecoder:
+    model, draft_model, tokenizer = pair
+    options = dict(DRAFTING[drafting])
+    draft_model = options.pop("draft_model", draft_model)
+    decoder = SpeculativeDecoder(model, draft_model, tokenizer, **options)
+    cheap_drafts(decoder)
+    return decoder
+
+
+def check_rows_equal_alone(pair, drafting: str, batch_size: int) -> None:
+    decoder = decoder_for(pair, drafting)
+    alone = [decoder.generate(prompt, max_tokens=MAX_NEW) for prompt in PROMPTS]
+    decode = decoder.generate_batch if drafting == "regular" else decoder.speculative_decode_batch
+    batched = decode(PROMPTS, batch_size=batch_size, max_tokens=MAX_NEW)
+    for prompt, one, row in zip(PROMPTS, alone, batched, strict=True):
+        assert row.tokens == one.tokens, prompt
+        assert row.text == one.text
+    lengths = [len(r.tokens) for r in alone]
+    assert min(lengths) < MAX_NEW / 2 and max(lengths) == MAX_NEW  # rows end early, others not
+    if drafting != "regular":
+        assert sum(r.n_accepted for r in batched) > 0
+        assert sum(r.n_rejected for r in batched) > 0
+    if "lookup" in drafting or "hybrid" in drafting:
+        assert sum(r.n_lookup_rounds for r in batched) > 0
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+@pytest.mark.parametrize("drafting", list(DRAFTING))
+def test_every_row_equals_its_prompt_decoded_alone(drafting, batch_size, early_ending_pair):
+    """Rows of very different prompt lengths, ending early or not, and (at
+    batch size 3) rows refilled from the queue as others finish."""
+    check_rows_equal_alone(early_ending_pair, drafting, batch_size)
+
+
+def wrong_trim(original):
+    """``KVCache.trim`` that trims every row by row 0's count."""
+
+    def trim(self, counts):
+        if isinstance(counts, list):
+            counts = [counts[0]] * len(counts)
+        return original(self, counts)
+
+    return trim
+
+
+BUGS = {
+    "trim by row 0's count": (KVCache, "trim", wrong_trim(KVCache.trim)),
+    "positions of row 0": (
+        DecoderCache,
+        "lengths",
+        property(lambda self: [self.self_attn[0].lengths[0]] * len(self.self_attn[0].lengths)),
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_the_greedy_check_catches_wrong_per_row_bookkeeping(bug, early_ending_pair, monkeypatch):
+    monkeypatch.setattr(*BUGS[bug])
+    with pytest.raises(AssertionError):
+        check_rows_equal_alone(early_ending_pair, "draft model", 3)
+
+
+def test_results_come_in_input_order_with_their_own_counts(decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=3)
+    results = decoder.speculative_decode_batch(PROMPTS, batch_size=4, max_tokens=12)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        alone = decoder.speculative_decode(prompt, max_tokens=12)
+        assert result.tokens == alone.tokens
+        assert result.finished
+        assert result.prompt_tokens == len(decoder.tokenizer(prompt).input_ids)
+        assert len(result.from_draft) == len(result.tokens)
+        assert sum(result.from_draft) == result.n_accepted
+        assert result.n_draft == sum(result.draft_lengths)
+
+
+def test_stream_batch_yields_every_row_after_every_pass(decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
+    seen = {}
+    for index, result in decoder.stream_batch(PROMPTS[:5], batch_size=2, max_tokens=6):
+        assert not seen.get(index, (0, False))[1], "a row yielded after it finished"
+        seen[index] = (len(result.tokens), result.finished)
+    assert sorted(seen) == list(range(5))
+    assert all(finished for _, finished in seen.values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompts": []}, "prompts"),
+        ({"prompts": "one string"}, "prompts"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"seed": -3}, "seed"),
+    ],
+)
+def test_bad_batch_arguments_are_refused(kwargs, message, decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair)
+    arguments = {"prompts": PROMPTS[:2], **kwargs}
+    with pytest.raises(ValueError, match=message):
+        decoder.generate_batch(**arguments)
+
+
+def batch_logits_and_alone(model, prompts: list[list[int]], rounds: list[list[list[int]]]):
+    """Decode ``rounds`` (per round, per row: tokens fed, then how many to
+    trim, as the last entry) in one padded batch and each row alone; return
+    the last round's logits of both, [B, T, vocab]."""
+    batch = DecoderCache.join([model.make_cache(model.encode(mx.array([p]))) for p in prompts])
+    alone = [model.make_cache(model.encode(mx.array([p]))) for p in prompts]
+    for round_ in rounds:
+        tokens = mx.array([row[:-1] for row in round_])
+        batch_logits = model.decode(tokens, batch)
+        alone_logits = [model.decode(tokens[i : i + 1], cache) for i, cache in enumerate(alone)]
+        trims = [row[-1] for row in round_]
+        batch.trim(trims)
+        for cache, trim in zip(alone, trims):
+            cache.trim(trim)
+    return np.array(batch_logits), np.array(mx.concatenate(alone_logits))
+
+
+def test_padded_batch_logits_equal_each_row_alone(decoding_pair):
+    """After rounds that leave the rows at different lengths, a padded batch
+    (prompts of 3, 40 and 9 tokens) scores each row as that row alone, to
+    float32 rounding."""
+    model = decoding_pair[0]
+    rng = np.random.default_rng(0)
+    vocab = model.args.vocab_size
+    prompts = [rng.integers(2, vocab, n).tolist() + [1] for n in (2, 39, 8)]
+    rounds = []
+    for trims in ([0, 3, 1], [2, 0, 3], [3, 1, 0], [0, 0, 0]):
+        rounds.append([[0] + rng.integers(2, vocab, 3).tolist() + [trim] for trim in trims])
+    batch, alone = batch_logits_and_alone(model, prompts, rounds)
+    scale = np.abs(alone).max()
+    assert np.abs(batch - alone).max() <= 1e-5 * max(scale, 1.0)
+    assert len(set(alone.argmax(-1).ravel().tolist())) > 3  # not a degenerate fixture
+
+
+def test_restarted_and_kept_rows_score_as_alone(decoding_pair):
+    """A row restarted with a longer prompt, then the batch cut to two rows
+    in another order: each row still scores as if decoded alone."""
+    model = decoding_pair[0]
+    rng = np.random.default_rng(1)
+    vocab = model.args.vocab_size
+    prompts = [rng.integers(2, vocab, n).tolist() + [1] for n in (5, 12, 7)]
+    caches = [model.make_cache(model.encode(mx.array([p]))) for p in prompts]
+    batch = DecoderCache.join(caches)
+    model.decode(mx.array([[0, 5, 6], [0, 7, 8], [0, 9, 10]]), batch)
+    batch.trim([1, 0, 2])
+    longer = rng.integers(2, vocab, 30).tolist() + [1]
+    batch.restart_row(1, model.make_cache(model.encode(mx.array([longer]))))
+    batch.keep_rows([2, 1])
+    # Row 0 is the third prompt with [0] cached; row 1 the new prompt, empty.
+    logits = model.decode(mx.array([[9, 11], [0, 12]]), batch)
+    expected = [
+        model(mx.array([prompts[2]]), mx.array([[0, 9, 11]]))[:, 1:],
+        model(mx.array([longer]), mx.array([[0, 12]])),
+    ]
+    for row, reference in enumerate(expected):
+        reference = np.array(reference)
+        difference = np.abs(np.array(logits[row : row + 1]) - reference).max()
+        assert difference <= 1e-5 * max(np.abs(reference).max(), 1.0)
+
+
+def sample_rows(decoder, prompt=PROMPT, copies=RUNS) -> list[tuple]:
+    """The first two tokens of ``copies`` rows of ``prompt``, decoded in
+    batches of 16 among as many rows of shorter and longer prompts."""
+    others = ["a", PROMPTS[2], "the dog", PROMPTS[6]]
+    prompts = [p for i in range(copies) for p in (prompt, others[i % len(others)])]
+    results = decoder.speculative_decode_batch(
+        prompts, batch_size=16, max_tokens=MAX_TOKENS, temp=TEMP, seed=0
+    )
+    return [tuple(r.tokens[:2]) for r in results[::2]]
+
+
+@pytest.fixture(scope="module")
+def sampling_setting(decoding_pair):
+    model, draft_model, tokenizer = decoding_pair
+    prompt_ids = mx.array([tokenizer(PROMPT).input_ids])
+    distribution = exact_distribution(model, prompt_ids, Sampling(temp=TEMP))
+    return decoding_pair, distribution
+
+
+@pytest.mark.parametrize("drafting", ["draft model", "prompt lookup"])
+def test_a_rows_samples_follow_the_main_model(drafting, sampling_setting):
+    from collections import Counter
+
+    (model, draft_model, tokenizer), distribution = sampling_setting
+    if drafting == "draft model":
+        decoder = SpeculativeDecoder(model, draft_model, tokenizer, num_draft=NUM_DRAFT)
+    else:
+        decoder = SpeculativeDecoder(model, None, tokenizer, num_draft=NUM_DRAFT, prompt_lookup=1)
+    counts = Counter(sample_rows(decoder))
+    assert chi_square_p_value(counts, distribution) > 1e-3
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_the_sampling_check_catches_wrong_per_row_bookkeeping(bug, sampling_setting, monkeypatch):
+    from collections import Counter
+
+    (model, draft_model, tokenizer), distribution = sampling_setting
+    decoder = SpeculativeDecoder(model, draft_model, tokenizer, num_draft=NUM_DRAFT)
+    monkeypatch.setattr(*BUGS[bug])
+    counts = Counter(sample_rows(decoder))
+    assert chi_square_p_value(counts, distribution) < 1e-4
