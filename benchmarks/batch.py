@@ -101,6 +101,7 @@ class BatchRow:
     seconds: float  # the wall clock of the whole call
     tokens_per_s: float
     prompt_seconds: float | None  # ours: the summed prompt_time
+    calibration_seconds: float | None  # ours: auto measuring its costs (warm-ups take it)
     prompt_tokens_per_s: float | None
     vs_regular: float | None  # tokens/s over our regular decoding's at the same B
     vs_single: float | None  # ... and at B = 1
@@ -134,7 +135,7 @@ COLUMNS = [
 
 TOTALS = (
     "calls", "seconds", "tokens", "prompt_time", "prompt_tokens", "accepted", "rejected",
-    "passes", "proposed", "rounds", "same",
+    "passes", "proposed", "rounds", "same", "calibration",
 )  # fmt: skip
 
 
@@ -217,6 +218,9 @@ def add_up(totals: dict, seconds: float, tokens: list[list[int]], results, refer
     totals["tokens"] += sum(map(len, tokens))
     if reference is not None:
         totals["same"] += sum(a == b for a, b in zip(tokens, reference, strict=True))
+    if results:
+        # Measured once per call, before its first batch; each of those rows reports it.
+        totals["calibration"] += max(result.calibration_time for result in results)
     for result in results or []:
         totals["prompt_time"] += result.prompt_time
         totals["prompt_tokens"] += result.prompt_tokens
@@ -291,6 +295,7 @@ def make_rows(totals: dict, num_prompts: int) -> list[BatchRow]:
                 seconds=t["seconds"] / t["calls"],
                 tokens_per_s=speed,
                 prompt_seconds=t["prompt_time"] / t["calls"] if engine.ours else None,
+                calibration_seconds=t["calibration"] / t["calls"] if engine.ours else None,
                 prompt_tokens_per_s=(
                     t["prompt_tokens"] / t["prompt_time"] if t["prompt_time"] else None
                 ),

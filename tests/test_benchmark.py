@@ -183,6 +183,66 @@ def test_benchmark_refuses_bad_settings(setting, message, converted_pair):
     assert run.stderr.strip().splitlines() == [f"error: {message}"]
 
 
+def test_batch_benchmark_measures_every_batch_size(hf_pair, converted_pair, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(
+        "translate English to German: the house is small.\n"
+        "summarize: the dog sees the apple in the green garden.\n"
+        "Le chat est très petit.\n"
+    )
+    run = run_benchmark(
+        *converted_pair,
+        "--batch-sizes", "2,1",
+        "--num-draft", "2,auto",
+        "--temp", "0",
+        "--max-tokens", "10",
+        "--prompts", str(prompts),
+        "--compare-hf",
+        "--hf-model", str(hf_pair[0]),
+        "--hf-threads", "1",
+        "--output", str(tmp_path / "batch"),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = list(csv.DictReader((tmp_path / "batch.csv").open()))
+    assert [(r["batch_size"], r["engine"], r["mode"], r["num_draft"]) for r in rows] == [
+        (size, *engine)
+        for size in ("1", "2")
+        for engine in (
+            ("ours", "regular", ""),
+            ("ours", "speculative", "2"),
+            ("ours", "speculative", "auto"),
+            ("transformers", "greedy", ""),
+        )
+    ]
+    assert all(float(r["tokens_per_s"]) > 0 and float(r["tokens"]) > 0 for r in rows)
+    # Our batched outputs, regular and exact speculative, are B = 1 regular's, token for token.
+    ours = [r for r in rows if r["engine"] == "ours"]
+    assert all(r["identical"] == "True" and r["same_as_single"] == "3/3" for r in ours)
+    assert all(float(r["prompt_tokens_per_s"]) > 0 for r in ours)
+    assert all(float(r["vs_single"]) > 0 and r["alpha"] for r in ours if r["num_draft"])
+    # The peer's agreement is reported, not required.
+    assert all(r["same_as_single"].endswith("/3") for r in rows if r["engine"] != "ours")
+    report = json.loads((tmp_path / "batch.json").read_text())
+    # auto measured its costs in the untimed warm-up at each B, not in a timed call.
+    ours = [r for r in report["rows"] if r["engine"] == "ours"]
+    assert all(r["calibration_seconds"] < 0.01 * r["seconds"] for r in ours)
+    assert report["identical"] and report["batch_sizes"] == [1, 2] and report["prompts"] == 3
+    assert report["peers"]["transformers greedy"]["torch_threads"] == 1
+    assert report["machine"] in run.stdout and "| B |" in run.stdout  # a Markdown table
+
+
+def test_batch_benchmark_refuses_what_it_cannot_measure(converted_pair, tmp_path):
+    for setting, message in (
+        (["--compare-ct2"], "--compare-ct2 needs --batch-sizes"),
+        (["--batch-sizes", "1", "--prompt-lookup", "2"], "--prompt-lookup is not measured"),
+        (["--batch-sizes", "0"], "argument --batch-sizes: '0' is not a list of integers >= 1"),
+        (["--batch-sizes", "1", "--compare-hf"], "--compare-hf and --compare-ct2 need --hf-model"),
+    ):
+        run = run_benchmark(*converted_pair, *setting, "--output", str(tmp_path / "out"))
+        assert run.returncode != 0
+        assert run.stderr.startswith(f"error: {message}"), run.stderr
+
+
 PROMPTS = [
     "translate English to German: the house is small.",
     "summarize: the dog sees the apple in the green garden.",
