@@ -363,7 +363,11 @@ def plot(rows: list[BatchRow], path: Path) -> bool:
         sizes = sorted({row.batch_size for row in selected})
         axis.set_xscale("log", base=2)
         axis.set_xticks(sizes, [str(size) for size in sizes])
-        axis.set_ylim(bottom=0)
+        speeds = [row.tokens_per_s for row in selected]
+        if max(speeds) > 10 * min(speeds):  # engines far apart: each still readable
+            axis.set_yscale("log")
+        else:
+            axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
         axis.set(title=f"temperature {temp:g}", xlabel="batch size", ylabel="tokens/s")
     # Every panel draws our engines in the same order; the first has the peers too.
