@@ -4,13 +4,16 @@
         [--num-draft 1,2,3,5,8,auto] [--prompt-lookup N [--lookup-num-draft auto]] \\
         [--delta 0,0.1,0.5] [--temp 0,1] [--max-tokens 64] [--repeats R] \\
         [--prompts FILE] [--output benchmark_results] [--compare-hf --hf-model DIR --hf-draft DIR [--hf-threads N]]
+    python benchmarks/benchmark.py --model-name MAIN --draft-model-name DRAFT \\
+        --batch-sizes 1,2,4,8,16,32 [...]: the batch benchmark (batch.py describes it)
 
-The modes: the draft model with each ``--num-draft`` value (``auto``
-included) and, with ``--prompt-lookup N``, prompt lookup alone (no draft
-model) and hybrid (lookup, then the draft model) with each
-``--lookup-num-draft`` value. For every temperature, each prompt is decoded
-regularly and then in every mode and delta, in turn, prompt after prompt
-(``--repeats`` times), so that drift in machine speed affects all alike.
+Without ``--batch-sizes``, prompts are decoded one at a time. The modes: the
+draft model with each ``--num-draft`` value (``auto`` included) and, with
+``--prompt-lookup N``, prompt lookup alone (no draft model) and hybrid
+(lookup, then the draft model) with each ``--lookup-num-draft`` value. For
+every temperature, each prompt is decoded regularly and then in every mode
+and delta, in turn, prompt after prompt (``--repeats`` times), so that drift
+in machine speed affects all alike.
 Reported per mode and delta:
 
 - generation tokens/s of regular and speculative decoding (prompt
@@ -44,14 +47,11 @@ installed, OUTPUT.png (speedup against num_draft, one line per delta).
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import os
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 # The example's modules live one folder up.
@@ -59,9 +59,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # An optimized BLAS on Linux: must come before anything imports mlx.
 import blas  # isort: skip
+from batch import peer_threads, run_batches, validate_batches
 from limits import decoder_step_bytes, memory_bandwidth
+from reporting import format_table, pyplot, save_with_legend_below, write_tables
+from workers import Worker
 
-from cli import ArgumentParser, num_draft
+from cli import POSITIVE, ArgumentParser, num_draft
 from drafting import MAX_AUTO_DRAFT, expected_tokens_per_round, pass_times
 
 PROMPTS = [
@@ -222,7 +225,24 @@ def build_parser() -> ArgumentParser:
     add(
         "--hf-threads",
         type=int,
-        help="torch threads (default: as many as the BLAS MLX uses, else torch's default)",
+        help="torch (and CTranslate2) threads (default: as many as the BLAS MLX uses, "
+        "else the peer's default)",
+    )
+    add(
+        "--batch-sizes",
+        type=parse_list(POSITIVE, "integers >= 1"),
+        help="the batch benchmark (batch.py): throughput at each batch size, e.g. 1,2,4,8,16,32",
+    )
+    add(
+        "--compare-ct2",
+        action="store_true",
+        help="with --batch-sizes: also CTranslate2 float32 and int8 on --hf-model",
+    )
+    add(
+        "--ct2-cache",
+        type=Path,
+        help="where CTranslate2's copies of --hf-model are kept (default: ctranslate2-models "
+        "beside --output)",
     )
     return parser
 
@@ -246,7 +266,9 @@ def validate(args: argparse.Namespace) -> None:
     output_dir = args.output.parent
     if output_dir.exists() and not os.access(output_dir, os.W_OK):
         raise ValueError(f"cannot write results to {output_dir}")
-    if args.compare_hf:
+    if args.batch_sizes or args.compare_ct2:
+        validate_batches(args)
+    elif args.compare_hf:
         if all(g == "auto" for g in args.num_draft):
             raise ValueError("--compare-hf needs a --num-draft value other than auto")
         for flag, path in (("--hf-model", args.hf_model), ("--hf-draft", args.hf_draft)):
@@ -401,47 +423,11 @@ COLUMNS = [
 ]
 
 
-def format_table(rows: list[Row]) -> str:
-    header = [title for _, title, _ in COLUMNS]
-    lines = [
-        [
-            "-" if getattr(row, name) is None else form.format(getattr(row, name))
-            for name, _, form in COLUMNS
-        ]
-        for row in rows
-    ]
-    widths = [max(len(cell) for cell in column) for column in zip(header, *lines)]
-    return "\n".join(
-        "  ".join(cell.rjust(width) for cell, width in zip(line, widths))
-        for line in [header, *lines]
-    )
-
-
-def write_whole(path: Path, write) -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, then rename it
-    into place, so that an interrupted write never leaves half a file."""
-    temporary = path.with_name(f".{path.name}.partial")
-    with temporary.open("wb") as file:
-        write(file)
-    os.replace(temporary, path)
-
-
 def write_outputs(rows: list[Row], extra: dict, output: Path) -> list[Path]:
     """OUTPUT.csv, OUTPUT.json and, with matplotlib, OUTPUT.png."""
-    table = io.StringIO()
-    writer = csv.DictWriter(table, fieldnames=[name for name, _, _ in COLUMNS])
-    writer.writeheader()
-    writer.writerows(asdict(row) for row in rows)
-    report = json.dumps({**extra, "rows": [asdict(r) for r in rows]}, indent=2)
-    written = [output.with_suffix(".csv"), output.with_suffix(".json")]
-    for path, text in zip(written, (table.getvalue(), report)):
-        write_whole(path, lambda file, text=text: file.write(text.encode()))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
-    except ImportError:
+    written = write_tables(rows, COLUMNS, extra, output)
+    plt = pyplot()
+    if plt is None:
         return written
     temps = sorted({row.temp for row in rows})
     figure, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
@@ -467,14 +453,8 @@ def write_outputs(rows: list[Row], extra: dict, output: Path) -> list[Path]:
                 )
         axis.axhline(1.0, color="gray", linewidth=0.8)
         axis.set(title=f"temperature {temp:g}", xlabel="num_draft", ylabel="speedup")
-    # One legend for all panels, below them, so that it hides no data.
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    legend_height = 0.22 * -(-len(labels) // 3)  # inches: three entries a row
-    figure.set_figheight(4 + legend_height)
-    figure.legend(handles, labels, loc="lower center", ncol=3, fontsize="small", frameon=False)
-    figure.tight_layout(rect=(0, (legend_height + 0.1) / (4 + legend_height), 1, 1))
     written.append(output.with_suffix(".png"))
-    write_whole(written[-1], lambda file: figure.savefig(file, format="png", dpi=120))
+    save_with_legend_below(figure, axes[0], written[-1])
     return written
 
 
@@ -488,37 +468,16 @@ def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
     encoder pass in transformers, and ours, which also computes the
     cross-attention keys and values (transformers does that in its first
     decoder step)."""
-    # The same number of threads for both: MLX's matrix products run on the BLAS's.
-    threads = args.hf_threads or blas.num_threads() or 0  # 0: torch's default
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            str(Path(__file__).with_name("transformers_worker.py")),
-            *map(str, (args.hf_model, args.hf_draft, threads, num_draft, args.max_tokens)),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-    def answer() -> dict:
-        line = worker.stdout.readline()
-        if not line:
-            raise RuntimeError("the transformers worker ended early (its error is above)")
-        return json.loads(line)
-
     times = {"greedy": 0.0, "assisted": 0.0, "ours_regular": 0.0, "ours_speculative": 0.0}
     tokens = dict.fromkeys(times, 0)
     prompt_times = {"transformers": 0.0, "ours": 0.0}
     prompt_tokens = 0
     matches = 0
     decoder.num_draft, decoder.delta = num_draft, 0.0
-    try:
-        torch_threads = answer()["torch_threads"]  # loaded and warmed up
+    options = (args.hf_model, args.hf_draft, peer_threads(args), num_draft, args.max_tokens)
+    with Worker("transformers_worker.py", *options) as worker:
         for prompt in prompts:
-            worker.stdin.write(json.dumps(prompt) + "\n")
-            worker.stdin.flush()
-            timed = answer()
+            timed = worker.ask(prompt)
             prompt_times["transformers"] += timed["prompt_time"]
             prompt_tokens += timed["prompt_tokens"]
             for name in ("greedy", "assisted"):
@@ -534,9 +493,6 @@ def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
                 if name == "ours_regular":
                     prompt_times["ours"] += result.prompt_time
             matches += result.tokens == timed["greedy_tokens"]
-    finally:
-        worker.stdin.close()
-        worker.wait()
     speeds = {name: tokens[name] / times[name] for name in times}
     prompt_speeds = {name: prompt_tokens / seconds for name, seconds in prompt_times.items()}
     return {
@@ -544,7 +500,7 @@ def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
         "prompt_tokens_per_s": prompt_speeds,
         "prompt_vs_transformers": prompt_speeds["ours"] / prompt_speeds["transformers"],
         "num_draft": num_draft,
-        "torch_threads": torch_threads,
+        "torch_threads": worker.ready["torch_threads"],
         "regular_vs_transformers_greedy": speeds["ours_regular"] / speeds["greedy"],
         "speculative_vs_transformers_assisted": speeds["ours_speculative"] / speeds["assisted"],
         "greedy_tokens_match": f"{matches}/{len(prompts)}",
@@ -574,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     decoder = SpeculativeDecoder(model, draft_model, tokenizer)
+    if args.batch_sizes:
+        return run_batches(args, prompts, decoder, model_path, draft_path)
     all_modes = modes(args)
     # Warm-up; auto measures its costs here, on its first use.
     for mode in all_modes:
@@ -604,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         for temp, totals in regular.items()
     }
     print(describe_machine(machine))
-    print(format_table(rows))
+    print(format_table(rows, COLUMNS))
     configure(decoder, draft_model, args.prompt_lookup, Mode("hybrid", "auto", 0.0))
     draft_costs, verify_costs = decoder.measure_costs(prompt_ids)
     extra = {

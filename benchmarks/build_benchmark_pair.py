@@ -2,10 +2,12 @@
 
     python benchmarks/build_benchmark_pair.py --out benchmark_models [--train-steps N] [--seed S]
     python benchmarks/build_benchmark_pair.py --out benchmark_models --random-t5-shapes
+    python benchmarks/build_benchmark_pair.py --out benchmark_models --write-prompts N
 
 The second form, run after the first, writes random-weight checkpoints of the real T5-base
 and T5-small shapes: for timing regular decoding against transformers, where only the
-shapes matter.
+shapes matter. The third, also run after the first, writes ``prompts-N.txt``: N prompts of
+the pair's own training style (``write_prompts``), for the batch benchmark.
 
 Real checkpoints (T5-XXL drafted by T5-small) cannot be downloaded here, and random-init T5
 models are no substitute: they fall into loops of one or two tokens, and two of them agree far
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import json
 import math
@@ -182,8 +185,10 @@ def _prose_paragraphs(text: str) -> list[str]:
     return paragraphs
 
 
-def collect_paragraphs() -> list[str]:
-    """English prose that ships with Python: the pydoc help topics and stdlib docstrings."""
+@functools.cache
+def collect_paragraphs() -> tuple[str, ...]:
+    """English prose that ships with Python: the pydoc help topics and stdlib docstrings
+    (read once per process)."""
     from pydoc_data.topics import topics
 
     texts = [topics[key] for key in sorted(topics)]
@@ -202,7 +207,7 @@ def collect_paragraphs() -> list[str]:
                 if docstring:
                     texts.append(docstring)
     paragraphs = [p for text in texts for p in _prose_paragraphs(text)]
-    return list(dict.fromkeys(paragraphs))  # drop duplicates, keep order
+    return tuple(dict.fromkeys(paragraphs))  # drop duplicates, keep order
 
 
 def split_sentences(paragraph: str) -> list[str]:
@@ -852,9 +857,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="instead of the pair, build random-weight T5-base and T5-small shaped checkpoints "
         "(for timing against transformers); needs the pair's tokenizer in OUT/hf-draft",
     )
+    parser.add_argument(
+        "--write-prompts",
+        type=int,
+        metavar="N",
+        help="instead of the pair, write OUT/prompts-N.txt: N prompts of the pair's training "
+        "style, none of them a tuning prompt (the batch benchmark's); needs the built pair",
+    )
     args = parser.parse_args(argv)
     if args.train_steps < 1 or args.batch_size < 1:
         parser.error("--train-steps and --batch-size must be >= 1")
+    if args.write_prompts is not None and args.write_prompts < 1:
+        parser.error("--write-prompts must be >= 1")
     return args
 
 
@@ -876,6 +890,47 @@ def long_prompts(
     return prompts
 
 
+def split_text(rng: random.Random) -> tuple[list[str], ...]:
+    """All paragraphs, shuffled with ``rng``; those held out of training; the
+    rest (the tokenizer's text); and the draft's training paragraphs."""
+    paragraphs = list(collect_paragraphs())
+    rng.shuffle(paragraphs)
+    held_out_count = int(len(paragraphs) * HELD_OUT_FRACTION)
+    held_out, rest = paragraphs[:held_out_count], paragraphs[held_out_count:]
+    return paragraphs, held_out, rest, rest[:TRAIN_PARAGRAPHS]
+
+
+def write_prompts(out: Path, seed: int, count: int) -> Path:
+    """Write OUT/prompts-COUNT.txt: ``count`` prompts of the pair's training
+    style that the build did not tune the scale on, for benchmarks that need
+    more than prompts.txt's NUM_EVAL_PROMPTS (the batch benchmark). They are
+    prompts.txt's first, then more drawn the same way after the build's
+    tuning prompts (fresh corruptions, targets not used before), as the build
+    with ``seed`` and the tokenizer saved in OUT/hf-draft would draw them."""
+    spiece = out / "hf-draft" / "spiece.model"
+    if not spiece.is_file():
+        raise SystemExit(f"error: {spiece} is missing; build the pair first")
+    rng = random.Random(seed)
+    _, _, _, training = split_text(rng)
+    sampler = TaskSampler(training, spm.SentencePieceProcessor(model_file=str(spiece)))
+    built = NUM_TUNE_PROMPTS + NUM_EVAL_PROMPTS
+    drawn = evaluation_prompts(sampler, rng, built + max(0, count - NUM_EVAL_PROMPTS))
+    built_prompts = out / "prompts.txt"
+    if (
+        built_prompts.is_file()
+        and built_prompts.read_text().splitlines() != drawn[:NUM_EVAL_PROMPTS]
+    ):
+        raise SystemExit(
+            f"error: {built_prompts} differs from the prompts drawn again; "
+            "was the pair built with another --seed?"
+        )
+    prompts = (drawn[:NUM_EVAL_PROMPTS] + drawn[built:])[:count]
+    path = out / f"prompts-{count}.txt"
+    path.write_text("".join(f"{prompt}\n" for prompt in prompts))
+    log(f"wrote {count} prompts to {path}")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the pair into ``--out``: hf-draft, hf-main, draft, main, build_summary.json,
     prompts.txt and prompts-long.txt."""
@@ -889,14 +944,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.random_t5_shapes:
         build_random_t5(out, args.seed)
         return 0
+    if args.write_prompts:
+        write_prompts(out, args.seed, args.write_prompts)
+        return 0
     rng = random.Random(args.seed)
 
     log("1/6 collecting text")
-    paragraphs = collect_paragraphs()
-    rng.shuffle(paragraphs)
-    held_out_count = int(len(paragraphs) * HELD_OUT_FRACTION)
-    held_out, rest = paragraphs[:held_out_count], paragraphs[held_out_count:]
-    training = rest[:TRAIN_PARAGRAPHS]
+    paragraphs, held_out, rest, training = split_text(rng)
     log(
         f"  {len(paragraphs)} paragraphs, {sum(map(len, paragraphs)) / 1e6:.2f}M characters; "
         f"the draft learns {len(training)} ({sum(map(len, training)) / 1e6:.2f}M characters), "

@@ -2,13 +2,16 @@
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 from benchmark import predicted_speedup
 from conftest import ROOT
+from fixtures import EOS_ID
 from limits import decoder_step_bytes
+from workers import Worker
 
 from model import T5, ModelArgs
 
@@ -178,3 +181,113 @@ def test_benchmark_refuses_bad_settings(setting, message, converted_pair):
     run = run_benchmark(main_dir, draft_dir, *setting)
     assert run.returncode != 0
     assert run.stderr.strip().splitlines() == [f"error: {message}"]
+
+
+def test_batch_benchmark_measures_every_batch_size(hf_pair, converted_pair, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(
+        "translate English to German: the house is small.\n"
+        "summarize: the dog sees the apple in the green garden.\n"
+        "Le chat est très petit.\n"
+    )
+    run = run_benchmark(
+        *converted_pair,
+        "--batch-sizes", "2,1",
+        "--num-draft", "2,auto",
+        "--temp", "0",
+        "--max-tokens", "10",
+        "--prompts", str(prompts),
+        "--compare-hf",
+        "--hf-model", str(hf_pair[0]),
+        "--hf-threads", "1",
+        "--output", str(tmp_path / "batch"),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = list(csv.DictReader((tmp_path / "batch.csv").open()))
+    assert [(r["batch_size"], r["engine"], r["mode"], r["num_draft"]) for r in rows] == [
+        (size, *engine)
+        for size in ("1", "2")
+        for engine in (
+            ("ours", "regular", ""),
+            ("ours", "speculative", "2"),
+            ("ours", "speculative", "auto"),
+            ("transformers", "greedy", ""),
+        )
+    ]
+    assert all(float(r["tokens_per_s"]) > 0 and float(r["tokens"]) > 0 for r in rows)
+    # Our batched outputs, regular and exact speculative, are B = 1 regular's, token for token.
+    ours = [r for r in rows if r["engine"] == "ours"]
+    assert all(r["identical"] == "True" and r["same_as_single"] == "3/3" for r in ours)
+    assert all(float(r["prompt_tokens_per_s"]) > 0 for r in ours)
+    assert all(float(r["vs_single"]) > 0 and r["alpha"] for r in ours if r["num_draft"])
+    # The peer's agreement is reported, not required.
+    assert all(r["same_as_single"].endswith("/3") for r in rows if r["engine"] != "ours")
+    report = json.loads((tmp_path / "batch.json").read_text())
+    # auto measured its costs in the untimed warm-up at each B, not in a timed call.
+    ours = [r for r in report["rows"] if r["engine"] == "ours"]
+    assert all(r["calibration_seconds"] < 0.01 * r["seconds"] for r in ours)
+    assert report["identical"] and report["batch_sizes"] == [1, 2] and report["prompts"] == 3
+    assert report["peers"]["transformers greedy"]["torch_threads"] == 1
+    assert report["machine"] in run.stdout and "| B |" in run.stdout  # a Markdown table
+
+
+def test_batch_benchmark_refuses_what_it_cannot_measure(converted_pair, tmp_path):
+    for setting, message in (
+        (["--compare-ct2"], "--compare-ct2 needs --batch-sizes"),
+        (["--batch-sizes", "1", "--prompt-lookup", "2"], "--prompt-lookup is not measured"),
+        (["--batch-sizes", "0"], "argument --batch-sizes: '0' is not a list of integers >= 1"),
+        (["--batch-sizes", "1", "--compare-hf"], "--compare-hf and --compare-ct2 need --hf-model"),
+    ):
+        run = run_benchmark(*converted_pair, *setting, "--output", str(tmp_path / "out"))
+        assert run.returncode != 0
+        assert run.stderr.startswith(f"error: {message}"), run.stderr
+
+
+PROMPTS = [
+    "translate English to German: the house is small.",
+    "summarize: the dog sees the apple in the green garden.",
+    "Le chat est très petit.",
+]
+
+
+@pytest.mark.parametrize("peer", ["transformers", "ctranslate2 float32", "ctranslate2 int8"])
+def test_peer_workers_answer_batch_requests(peer, hf_pair, tmp_path):
+    if peer.startswith("ctranslate2"):
+        pytest.importorskip("ctranslate2")
+        command = ("ctranslate2_worker.py", hf_pair[0], tmp_path, peer.split()[1], 1)
+    else:
+        command = ("transformers_worker.py", "--batch", hf_pair[0], 1)
+    request = {"prompts": PROMPTS, "batch_size": 2, "max_tokens": 12}
+    with Worker(*command) as worker:
+        batched = worker.ask(request)
+        one_by_one = worker.ask({**request, "batch_size": 1})
+        alone = [worker.ask({**request, "prompts": [p], "batch_size": 1}) for p in PROMPTS]
+    assert batched["seconds"] > 0
+    tokens = batched["tokens"]
+    # One answer per prompt, without the start token, cut before EOS ...
+    assert len(tokens) == 3 and all(0 < len(t) <= 12 and EOS_ID not in t for t in tokens)
+    # ... in input order (CTranslate2 sorts the prompts by length).
+    assert one_by_one["tokens"] == [answer["tokens"][0] for answer in alone]
+    if peer.startswith("ctranslate2"):
+        # Converted once by CTranslate2's converter, then taken from the cache.
+        assert worker.ready["convert_seconds"] > 0
+        with Worker(*command) as again:
+            assert again.ready["convert_seconds"] == 0
+            assert again.ready["model_dir"] == worker.ready["model_dir"]
+
+
+def test_build_writes_more_prompts_of_the_pairs_style(tokenizer_dir, tmp_path):
+    from build_benchmark_pair import NUM_EVAL_PROMPTS, write_prompts
+
+    (tmp_path / "hf-draft").mkdir()
+    shutil.copy(tokenizer_dir / "spiece.model", tmp_path / "hf-draft")
+    path = write_prompts(tmp_path, 0, 14)
+    prompts = path.read_text().splitlines()
+    assert path.name == "prompts-14.txt" and len(set(prompts)) == 14
+    assert all(p.split(":")[0] in ("continue", "restore", "fill") for p in prompts)
+    # The build's own evaluation prompts (prompts.txt) come first, the same draw then goes on.
+    (tmp_path / "prompts.txt").write_text("".join(f"{p}\n" for p in prompts[:NUM_EVAL_PROMPTS]))
+    assert write_prompts(tmp_path, 0, 12).read_text().splitlines() == prompts[:12]
+    # A pair built with another seed has other prompts.txt: refused, not silently mixed.
+    with pytest.raises(SystemExit, match="another --seed"):
+        write_prompts(tmp_path, 1, 12)
