@@ -393,11 +393,11 @@ class SpeculativeDecoder:
         prompt_time = (time.perf_counter() - start) / len(first)
         calibration_time = 0.0
         if drafter is not None:
-            tic = time.perf_counter()
             costs = ({}, [])
             if self.num_draft == "auto":
+                tic = time.perf_counter()
                 costs = self.measure_costs(first[0][1], len(first))
-            calibration_time = time.perf_counter() - tic
+                calibration_time = time.perf_counter() - tic
             # Acceptance depends on the pair, how lookup matches, sampling and delta.
             key = self.drafting, self.prompt_lookup, id(self.draft_model), sampling, self.delta
             earlier = self._acceptance.setdefault(key, acceptance_counts())
