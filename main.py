@@ -114,6 +114,16 @@ def drafting_summary(result, drafting: str, num_draft: int | str) -> str:
     return line
 
 
+def calibration_summary(seconds: float, num_draft: int | str) -> list[str]:
+    """The line for auto's cost measurement, with ``--num-draft auto``: its
+    time is kept out of the prompt and generation speeds. (With a fixed
+    draft length the decoder still reports the microseconds of deciding not
+    to measure.)"""
+    if num_draft != "auto":
+        return []
+    return [f"Calibration: {seconds:.1f} s (auto's one-time cost measurement)"]
+
+
 def print_summary(result, drafting: str, num_draft: int | str) -> None:
     """The numbers of a run, in mlx-lm's layout (prompt and generation apart),
     on standard error: standard output is the generated text alone."""
@@ -131,6 +141,7 @@ def print_summary(result, drafting: str, num_draft: int | str) -> None:
             f"({100 * result.acceptance_rate:.1f}%)"
         )
         lines.append(drafting_summary(result, drafting, num_draft))
+    lines += calibration_summary(result.calibration_time, num_draft)
     lines.append(f"Peak memory: {format_bytes(mx.get_peak_memory())}")
     print("\n".join(lines), file=sys.stderr)
 

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,6 +40,7 @@ DRAFTING = re.compile(
 )
 COLOUR_CODE = re.compile(r"\x1b\[\d+m")
 PEAK_MEMORY = re.compile(r"Peak memory: ([\d.]+) [MG]B")
+CALIBRATION = re.compile(r"Calibration: ([\d.]+) s \(auto's one-time cost measurement\)")
 GENERATE = ["--prompt", PROMPT, "-m", str(MAX_TOKENS)]
 SAMPLE = ["--temp", "1", "--top-p", "0.9", "--top-k", "20", "--seed", "3"]
 
@@ -311,6 +313,27 @@ def test_drafting_modes_print_the_greedy_text_and_their_mode(
     drafting = DRAFTING.search(result.stderr)
     assert drafting, result.stderr
     assert drafting[1] == mode and drafting[2].startswith(draft_length)
+    assert bool(CALIBRATION.search(result.stderr)) == (draft_length == "auto"), result.stderr
+
+
+def test_calibration_is_apart_from_prompt_and_generation_speed(models, monkeypatch, capsys):
+    """auto's cost measurement, made to last a second, is the summary's
+    Calibration line and lowers neither the prompt's tokens/s nor the
+    generation's."""
+    measure_costs = SpeculativeDecoder.measure_costs
+
+    def slow_measure_costs(*args, **kwargs):
+        time.sleep(1)
+        return measure_costs(*args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "measure_costs", slow_measure_costs)
+    assert main_module.main([*model_args(models), *GENERATE, "--num-draft", "auto"]) == 0
+    summary = capsys.readouterr().err
+    assert float(CALIBRATION.search(summary)[1]) >= 1, summary
+    match = STATS.search(summary)
+    prompt_tokens, prompt_speed = int(match[1]), float(match[2])
+    tokens, speed = int(match[3]), float(match[4])
+    assert prompt_speed > prompt_tokens and speed > tokens, summary  # each took under a second
 
 
 # Runs main.py (argv[2:]) as ``python main.py`` would, and sends the process
