@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
@@ -10,8 +11,10 @@ import re
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -77,6 +80,20 @@ def run_main_concurrently(*arg_lists: list[str], cwd: Path) -> list[subprocess.C
             subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
         )
     return results
+
+
+def run_main_with_input(*args: str, stdin: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python main.py ARGS`` in ``cwd``, offline, with ``stdin`` as its standard input."""
+    return subprocess.run(
+        [sys.executable, str(MAIN_PY), *args],
+        input=stdin,
+        cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess) -> str:
@@ -205,18 +222,9 @@ def test_without_torch_no_pytorch_advice(hf_pair, greedy_reference, tmp_path):
 
 def test_prompt_from_standard_input(models, greedy_reference, tmp_path):
     """``--prompt -`` reads the prompt from standard input; the summary counts its tokens."""
-    command = [sys.executable, str(MAIN_PY), *model_args(models), "--prompt", "-"]
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result, empty = (
-        subprocess.run(
-            [*command, "-m", str(MAX_TOKENS)],
-            input=text,
-            cwd=tmp_path,
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
+        run_main_with_input(
+            *model_args(models), "--prompt", "-", "-m", str(MAX_TOKENS), stdin=text, cwd=tmp_path
         )
         for text in (PROMPT, " \n")
     )
@@ -250,17 +258,20 @@ def test_sampling_is_reproducible_with_a_seed(regular, models, tmp_path):
     assert stats(first.stderr)[0] == stats(second.stderr)[0]
 
 
-def run_main_on_a_terminal(*args: str, cwd: Path) -> tuple[str, str]:
-    """``python main.py ARGS`` with its standard output on a pseudo-terminal;
-    what it wrote there, with the terminal's line ends undone, and its
-    standard error."""
+def run_main_on_a_terminal(*args: str, cwd: Path, stream: str = "stdout") -> tuple[str, str]:
+    """``python main.py ARGS`` with its standard output (or, ``stream`` =
+    "stderr", its standard error) on a pseudo-terminal; what it wrote there,
+    with the terminal's line ends undone, and what it wrote to the other."""
     terminal, child_end = pty.openpty()
+    # 24 rows of 80 columns: a new pseudo-terminal has 0 of each, too narrow for a progress bar.
+    fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: child_end}
     process = subprocess.Popen(
         [sys.executable, str(MAIN_PY), *args],
         cwd=cwd,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=child_end,
-        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        **streams,
     )
     os.close(child_end)
     output = b""
@@ -273,9 +284,9 @@ def run_main_on_a_terminal(*args: str, cwd: Path) -> tuple[str, str]:
             break
         output += chunk
     os.close(terminal)
-    stderr = process.stderr.read().decode()
-    assert process.wait(timeout=300) == 0, stderr
-    return output.decode().replace("\r\n", "\n"), stderr
+    other = (process.stderr if stream == "stdout" else process.stdout).read().decode()
+    assert process.wait(timeout=300) == 0, other if stream == "stdout" else output
+    return output.decode().replace("\r\n", "\n"), other
 
 
 def test_show_draft_colours_accepted_draft_tokens_on_a_terminal_only(
@@ -376,28 +387,39 @@ def test_ctrl_c_while_importing_says_interrupted(module, models, tmp_path):
     assert (result.returncode, result.stderr, result.stdout) == (130, "interrupted\n", "")
 
 
-def test_ctrl_c_while_generating_keeps_the_text_and_summary(models, tmp_path):
-    """Ctrl-C once text is streaming: the line ended, "interrupted" and the
-    summary of what was generated on stderr, exit status 130, no traceback."""
-    main_dir, _ = models
+def interrupt_main(*args: str, cwd: Path, wait) -> tuple[int, str, str]:
+    """``python main.py ARGS`` in ``cwd``, sent SIGINT (as by Ctrl-C) once
+    ``wait(process)`` returns what it read of standard output; the exit
+    status, all of standard output and standard error."""
     process = subprocess.Popen(
-        [sys.executable, str(MAIN_PY), "--model-name", str(main_dir), "--regular-decode"]
-        + ["--prompt", PROMPT, "-m", "1000000"],
-        cwd=tmp_path,
+        [sys.executable, str(MAIN_PY), *args],
+        cwd=cwd,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        first = process.stdout.read(1)  # generation has started
+        read = wait(process)
         process.send_signal(signal.SIGINT)
         stdout, stderr = process.communicate(timeout=300)
     finally:
         process.kill()
-    assert process.returncode == 130, stderr
+    return process.returncode, read + stdout, stderr
+
+
+def test_ctrl_c_while_generating_keeps_the_text_and_summary(models, tmp_path):
+    """Ctrl-C once text is streaming: the line ended, "interrupted" and the
+    summary of what was generated on stderr, exit status 130, no traceback."""
+    main_dir, _ = models
+    returncode, stdout, stderr = interrupt_main(
+        *("--model-name", str(main_dir), "--regular-decode", "--prompt", PROMPT, "-m", "1000000"),
+        cwd=tmp_path,
+        wait=lambda process: process.stdout.read(1),  # generation has started
+    )
+    assert returncode == 130, stderr
     assert "Traceback" not in stderr
-    text = generated_text(first + stdout)
+    text = generated_text(stdout)
     lines = stderr.splitlines()
     assert lines[1:3] == ["interrupted", SEPARATOR], stderr
     assert stats(stderr)[0] >= len(text.split()) > 0
