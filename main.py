@@ -1,22 +1,36 @@
-"""Generate text with a T5 model, speculatively, from models converted by convert.py.
+r"""Generate text with a T5 model, speculatively, from models converted by convert.py.
 
 python main.py                                   # t5-11b with a t5-small draft
 python main.py --prompt "summarize: ..." --num-draft 3 --delta 0.1
 python main.py --regular-decode                  # the main model alone
 python main.py --draft-model-name none --prompt-lookup 3 --num-draft auto --show-draft
+python main.py --prompts prompts.txt --batch-size 8 > outputs.txt
+python main.py --prompts - --output results.jsonl < prompts.txt
 
 Standard output is the generated text alone; everything else (Loading lines,
 notes, the summary) goes to standard error, so the text can be piped.
+
+--prompts FILE decodes every line of FILE (- : standard input) as a prompt,
+--batch-size at a time. Blank lines are skipped: prompt i is the i-th
+non-blank line, counted from 0. Standard output gets one line per prompt, in
+input order, each as soon as it and those before it are done; a line break
+in a text is written as the two characters \n (a carriage return \r, a
+backslash \\), so line i is always prompt i's text. With --output FILE, a new
+file, each prompt's JSON object ({"index", "text", "tokens", "n_accepted",
+"n_draft"}) is written and flushed as soon as it is done, in completion
+order, and nothing else goes to standard output.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from cli import (
@@ -49,6 +63,7 @@ DEFAULT_PROMPT = (
     "translate English to German: The old bridge across the river was closed "
     "for repairs, so we took the ferry to the market."
 )
+DEFAULT_BATCH_SIZE = 8
 
 
 def build_parser() -> ArgumentParser:
@@ -60,7 +75,31 @@ def build_parser() -> ArgumentParser:
         default="t5-small",
         help="draft model: converted name or directory; none: no draft model (needs --prompt-lookup)",
     )
-    add("--prompt", default=DEFAULT_PROMPT, help="the input text; - reads it from standard input")
+    add(
+        "--prompt",
+        help=f"the input text; - reads it from standard input (default: {DEFAULT_PROMPT})",
+    )
+    add(
+        "--prompts",
+        metavar="FILE",
+        help="decode every prompt of FILE, one a line (-: standard input); blank lines are "
+        "skipped, so prompt i is the i-th non-blank line from 0; the texts go to standard "
+        "output one line per prompt, in input order, a line break in a text written \\n "
+        "(a carriage return \\r, a backslash \\\\)",
+    )
+    add(
+        "--batch-size",
+        type=POSITIVE,
+        metavar="N",
+        help=f"with --prompts: prompts decoded together (default: {DEFAULT_BATCH_SIZE})",
+    )
+    add(
+        "--output",
+        metavar="FILE",
+        help="with --prompts: write the results to FILE, which must not exist, as JSON Lines "
+        '({"index", "text", "tokens", "n_accepted", "n_draft"}), each line as soon as its '
+        "prompt is done (so in completion order); nothing then goes to standard output",
+    )
     add(
         "--num-draft",
         type=num_draft,
@@ -114,25 +153,79 @@ def drafting_summary(result, drafting: str, num_draft: int | str) -> str:
     return line
 
 
+def calibration_summary(seconds: float, num_draft: int | str) -> list[str]:
+    """The line for auto's cost measurement, with ``--num-draft auto``: its
+    time is kept out of the prompt and generation speeds. (With a fixed
+    draft length the decoder still reports the microseconds of deciding not
+    to measure.)"""
+    if num_draft != "auto":
+        return []
+    return [f"Calibration: {seconds:.1f} s (auto's one-time cost measurement)"]
+
+
 def print_summary(result, drafting: str, num_draft: int | str) -> None:
     """The numbers of a run, in mlx-lm's layout (prompt and generation apart),
     on standard error: standard output is the generated text alone."""
-    import mlx.core as mx
-
     lines = [
         "=" * 40,
         f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tokens_per_second:.1f} tokens/s",
         f"Generation: {len(result.tokens)} tokens, {result.tokens_per_second:.1f} tokens/s",
         f"Main-model passes: {result.n_steps}",
     ]
+    print("\n".join(lines + summary_end(result, drafting, num_draft)), file=sys.stderr)
+
+
+def summary_end(result, drafting: str, num_draft: int | str) -> list[str]:
+    """The summary's last lines: acceptance and drafting when drafting,
+    auto's calibration, peak memory."""
+    import mlx.core as mx
+
+    lines = []
     if drafting != "none":
         lines.append(
             f"Draft tokens accepted: {result.n_accepted}/{result.n_draft} "
             f"({100 * result.acceptance_rate:.1f}%)"
         )
         lines.append(drafting_summary(result, drafting, num_draft))
+    lines += calibration_summary(result.calibration_time, num_draft)
     lines.append(f"Peak memory: {format_bytes(mx.get_peak_memory())}")
-    print("\n".join(lines), file=sys.stderr)
+    return lines
+
+
+def print_batch_summary(
+    results: dict, num_prompts: int, wall_time: float, drafting: str, num_draft: int | str
+) -> None:
+    """The numbers of a --prompts run (``results``: each started prompt's
+    latest result, by index), on standard error: throughput is generated
+    tokens per second of wall time since loading; prompt processing is
+    counted apart too."""
+    from decoder import GenerationResult
+
+    started = list(results.values())
+    total = GenerationResult(
+        [token for result in started for token in result.tokens],
+        n_draft=sum(result.n_draft for result in started),
+        n_accepted=sum(result.n_accepted for result in started),
+        n_steps=sum(result.n_steps for result in started),
+        draft_lengths=[length for result in started for length in result.draft_lengths],
+        n_lookup_rounds=sum(result.n_lookup_rounds for result in started),
+        prompt_tokens=sum(result.prompt_tokens for result in started),
+        prompt_time=sum(result.prompt_time for result in started),
+        # Measured once, before the first batch; its rows each carry it.
+        calibration_time=max((result.calibration_time for result in started), default=0.0),
+    )
+    finished = sum(result.finished for result in started)
+    generated = len(total.tokens)
+    throughput = generated / wall_time if wall_time else 0.0
+    lines = [
+        "=" * 40,
+        f"Prompts: {finished} of {num_prompts} finished",
+        f"Prompt processing: {total.prompt_tokens} tokens, {total.prompt_tokens_per_second:.1f} "
+        + "tokens/s",
+        f"Generation: {generated} tokens, {throughput:.1f} tokens/s "
+        + f"({wall_time:.1f} s of wall time after loading)",
+    ]
+    print("\n".join(lines + summary_end(total, drafting, num_draft)), file=sys.stderr)
 
 
 def new_text(result, tokenizer, printed: str, num_printed: int, show_draft: bool) -> str:
@@ -177,23 +270,35 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     return (cache + activations) * value_bytes
 
 
-def check_memory(model_name: str, paths: list[Path], prompt_tokens: int, max_tokens: int) -> None:
+def check_memory(
+    model_name: str,
+    paths: list[Path],
+    prompt_tokens: int,
+    max_tokens: int,
+    batch_size: int = 1,
+) -> None:
     """Raise ``MemoryError``, saying what would fit, when the models at
     ``paths`` (the main model's directory, then the draft's, if any) would not
-    fit in memory together."""
+    fit in memory together, decoding ``batch_size`` prompts of up to
+    ``prompt_tokens`` tokens at once."""
     import mlx.core as mx
 
     from model import load_config, parameter_bytes
 
     weights = [(path / "weights.npz").stat().st_size for path in paths]
-    runtime = [runtime_bytes(path, prompt_tokens, max_tokens) for path in paths]
+    per_row = [runtime_bytes(path, prompt_tokens, max_tokens) for path in paths]
+    runtime = [batch_size * row for row in per_row]
     needed, available = sum(weights) + sum(runtime), available_memory()
     if needed <= available:
         return
+    batch = f" for a batch of {batch_size}" if batch_size > 1 else ""
     message = (
-        f"{' and '.join(map(str, paths))} need about {format_bytes(needed)}, "
+        f"{' and '.join(map(str, paths))} need about {format_bytes(needed)}{batch}, "
         f"more than the {format_bytes(available)} this machine has for MLX"
     )
+    fitting = (available - sum(weights)) // sum(per_row)
+    if fitting >= 1:  # a smaller batch fits
+        raise MemoryError(f"{message}; --batch-size {fitting} fits")
     main_args = load_config(paths[0])
     if main_args.quantization is None:
         four_bit = parameter_bytes(main_args, mx.bfloat16, FOUR_BIT)
@@ -217,9 +322,85 @@ def stop_at_once(signum: int, frame) -> None:
     os._exit(130)
 
 
+def read_prompts(source: str) -> list[str]:
+    """The prompts of ``--prompts``: the non-blank lines of the file
+    ``source`` (``-``: standard input)."""
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"--prompts {source}: no such file") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--prompts {source}: not UTF-8 text ({error})") from None
+    except OSError as error:
+        raise ValueError(f"--prompts {source}: {error.strerror or error}") from None
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts {source}: no prompts (empty, or only blank lines)")
+    return prompts
+
+
+def refuse_existing(path: str) -> None:
+    """Raise ``FileExistsError`` if something is at ``path``: --output writes
+    only a new file, never over one it did not write."""
+    if os.path.lexists(path):
+        raise FileExistsError(f"--output {path} already exists; give a new file's name")
+    if not Path(path).parent.is_dir():
+        raise FileNotFoundError(f"--output {path}: no directory {Path(path).parent}")
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: a backslash written \\\\, a line break \\n, a
+    carriage return \\r (undone by reading each \\ and the character after it
+    as a pair)."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
+class InOrderLines:
+    """Finished texts on ``file``, one line per prompt, in input order: each
+    as soon as it and every prompt before it are done."""
+
+    def __init__(self, file):
+        self.file = file
+        self.waiting = {}  # finished, behind an unfinished prompt
+        self.printed = 0
+
+    def add(self, index: int, result) -> None:
+        self.waiting[index] = result.text
+        while self.printed in self.waiting:
+            self.file.write(one_line(self.waiting.pop(self.printed)) + "\n")
+            self.printed += 1
+        self.file.flush()
+
+
+class JsonLines:
+    """Finished results as JSON Lines on ``file``, in completion order, each
+    flushed at once."""
+
+    def __init__(self, file):
+        self.file = file
+        self.waiting = {}  # never any: every result is written at once
+
+    def add(self, index: int, result) -> None:
+        record = {
+            "index": index,
+            "text": result.text,
+            "tokens": result.tokens,
+            "n_accepted": result.n_accepted,
+            "n_draft": result.n_draft,
+        }
+        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.file.flush()
+
+
 def run(args: argparse.Namespace) -> int:
     """Generate as ``args`` say; the exit status (130: interrupted)."""
-    prompt = read_prompt(args.prompt)
+    if args.output is not None:
+        refuse_existing(args.output)
+    if args.prompts is None:
+        prompts = [read_prompt(args.prompt)]
+    else:
+        prompts = read_prompts(args.prompts)
     # mlx, transformers and the models load only once the arguments are known good.
     # blas first: on Linux it loads an optimized BLAS, which MLX uses only if loaded before it.
     import blas  # noqa: F401  # isort: skip
@@ -233,7 +414,9 @@ def run(args: argparse.Namespace) -> int:
         paths.append(resolve_model(args.draft_model_name))
         check_draft_directories(*paths)
     tokenizer = load_tokenizer(paths[0])
-    check_memory(args.model_name, paths, len(tokenizer(prompt).input_ids), args.max_tokens)
+    longest = max(map(len, tokenizer(prompts).input_ids))
+    batch_size = min(args.batch_size, len(prompts)) if args.prompts is not None else 1
+    check_memory(args.model_name, paths, longest, args.max_tokens, batch_size)
     models = []
     for path, role in zip(paths, ("", "draft ")):
         print(f"Loading {role}{path}", file=sys.stderr)
@@ -251,6 +434,26 @@ def run(args: argparse.Namespace) -> int:
         args.delta,
         0 if args.regular_decode else args.prompt_lookup,
     )
+    if args.prompts is None:
+        return generate_one(args, decoder, prompts[0])
+    return generate_all(args, decoder, prompts)
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``stream`` and ``stream_batch`` that ``args`` give."""
+    return {
+        "speculative": not args.regular_decode,
+        "max_tokens": args.max_tokens,
+        "temp": args.temp,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+    }
+
+
+def generate_one(args: argparse.Namespace, decoder, prompt: str) -> int:
+    """Stream the text for ``prompt`` to standard output, then the summary to
+    standard error; the exit status (130: interrupted)."""
     # Colour codes only for a terminal: redirected output stays plain text.
     show_draft = args.show_draft and sys.stdout.isatty()
 
@@ -260,15 +463,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # While generating, Ctrl-C stops it: the text so far and its summary are kept.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for result in decoder.stream(
-            prompt,
-            speculative=not args.regular_decode,
-            max_tokens=args.max_tokens,
-            temp=args.temp,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-        ):
+        for result in decoder.stream(prompt, **sampling_options(args)):
             if result.text.startswith(printed):
                 text = new_text(result, decoder.tokenizer, printed, num_printed, show_draft)
                 print(text, end="", flush=True)
@@ -285,23 +480,101 @@ def run(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
+def open_output(path: str | None):
+    """Standard output (left open), or the new file ``path``: mode "x" never
+    writes over a file that appeared since ``refuse_existing`` looked."""
+    if path is None:
+        return contextlib.nullcontext(sys.stdout)
+    try:
+        return open(path, "x", encoding="utf-8")
+    except FileExistsError:
+        refuse_existing(path)
+        raise
+
+
+def generate_all(args: argparse.Namespace, decoder, prompts: list[str]) -> int:
+    """Decode ``prompts`` in batches: each finished text to standard output
+    (one line each, in input order) or to the --output file (JSON Lines, as
+    they finish), a progress bar on standard error if it is a terminal, then
+    the summary; the exit status (130: interrupted)."""
+    from tqdm import tqdm
+
+    results = {}
+    interrupted = False
+    with open_output(args.output) as file:
+        sink = InOrderLines(file) if args.output is None else JsonLines(file)
+        bar = tqdm(
+            total=len(prompts), unit="prompt", file=sys.stderr, disable=not sys.stderr.isatty()
+        )
+        start = time.perf_counter()
+        try:
+            # Ctrl-C stops the run: what finished is written already, the summary follows.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for index, result in decoder.stream_batch(
+                prompts, batch_size=args.batch_size, **sampling_options(args)
+            ):
+                results[index] = result
+                if result.finished:
+                    # The bar is cleared while a line goes to the same terminal.
+                    with tqdm.external_write_mode(file=file):
+                        sink.add(index, result)
+                    bar.update()
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            signal.signal(signal.SIGINT, stop_at_once)
+            bar.close()
+    wall_time = time.perf_counter() - start
+    if interrupted:
+        print("interrupted", file=sys.stderr)
+    if sink.waiting:
+        held = len(sink.waiting)
+        print(
+            "note: standard output, in input order, stops before the first unfinished prompt: "
+            f"{held} finished after it {'is' if held == 1 else 'are'} not written "
+            "(--output FILE keeps every finished prompt)",
+            file=sys.stderr,
+        )
+    print_batch_summary(results, len(prompts), wall_time, decoder.drafting, args.num_draft)
+    return 130 if interrupted else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     previous_handler = signal.signal(signal.SIGINT, stop_at_once)
     quiet_transformers()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
-        if args.draft_model_name == "none" and not args.prompt_lookup and not args.regular_decode:
-            parser.error(
-                "--draft-model-name none leaves nothing to draft with: add --prompt-lookup N "
-                "(N >= 1), or use --regular-decode"
-            )
+        check_arguments(parser, args)
         return run(args)
     except (ValueError, OSError, MemoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGINT, previous_handler)
+
+
+def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``parser.error``) arguments that do not go together; fill in
+    the defaults that depend on --prompts."""
+    if args.draft_model_name == "none" and not args.prompt_lookup and not args.regular_decode:
+        parser.error(
+            "--draft-model-name none leaves nothing to draft with: add --prompt-lookup N "
+            "(N >= 1), or use --regular-decode"
+        )
+    if args.prompts is None:
+        for option, value in (("--batch-size", args.batch_size), ("--output", args.output)):
+            if value is not None:
+                parser.error(f"{option} goes with --prompts FILE (a file of prompts)")
+        if args.prompt is None:
+            args.prompt = DEFAULT_PROMPT
+        return
+    if args.prompt is not None:
+        parser.error("--prompt and --prompts: give one of them")
+    if args.show_draft:
+        parser.error("--show-draft colours one prompt's text; it does not go with --prompts")
+    if args.batch_size is None:
+        args.batch_size = DEFAULT_BATCH_SIZE
 
 
 if __name__ == "__main__":

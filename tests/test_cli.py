@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import io
 import json
 import os
 import pty
@@ -10,8 +13,11 @@ import re
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,6 +45,7 @@ DRAFTING = re.compile(
 )
 COLOUR_CODE = re.compile(r"\x1b\[\d+m")
 PEAK_MEMORY = re.compile(r"Peak memory: ([\d.]+) [MG]B")
+CALIBRATION = re.compile(r"Calibration: ([\d.]+) s \(auto's one-time cost measurement\)")
 GENERATE = ["--prompt", PROMPT, "-m", str(MAX_TOKENS)]
 SAMPLE = ["--temp", "1", "--top-p", "0.9", "--top-k", "20", "--seed", "3"]
 
@@ -75,6 +82,20 @@ def run_main_concurrently(*arg_lists: list[str], cwd: Path) -> list[subprocess.C
             subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
         )
     return results
+
+
+def run_main_with_input(*args: str, stdin: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python main.py ARGS`` in ``cwd``, offline, with ``stdin`` as its standard input."""
+    return subprocess.run(
+        [sys.executable, str(MAIN_PY), *args],
+        input=stdin,
+        cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess) -> str:
@@ -203,18 +224,9 @@ def test_without_torch_no_pytorch_advice(hf_pair, greedy_reference, tmp_path):
 
 def test_prompt_from_standard_input(models, greedy_reference, tmp_path):
     """``--prompt -`` reads the prompt from standard input; the summary counts its tokens."""
-    command = [sys.executable, str(MAIN_PY), *model_args(models), "--prompt", "-"]
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result, empty = (
-        subprocess.run(
-            [*command, "-m", str(MAX_TOKENS)],
-            input=text,
-            cwd=tmp_path,
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
+        run_main_with_input(
+            *model_args(models), "--prompt", "-", "-m", str(MAX_TOKENS), stdin=text, cwd=tmp_path
         )
         for text in (PROMPT, " \n")
     )
@@ -248,17 +260,20 @@ def test_sampling_is_reproducible_with_a_seed(regular, models, tmp_path):
     assert stats(first.stderr)[0] == stats(second.stderr)[0]
 
 
-def run_main_on_a_terminal(*args: str, cwd: Path) -> tuple[str, str]:
-    """``python main.py ARGS`` with its standard output on a pseudo-terminal;
-    what it wrote there, with the terminal's line ends undone, and its
-    standard error."""
+def run_main_on_a_terminal(*args: str, cwd: Path, stream: str = "stdout") -> tuple[str, str]:
+    """``python main.py ARGS`` with its standard output (or, ``stream`` =
+    "stderr", its standard error) on a pseudo-terminal; what it wrote there,
+    with the terminal's line ends undone, and what it wrote to the other."""
     terminal, child_end = pty.openpty()
+    # 24 rows of 80 columns: a new pseudo-terminal has 0 of each, too narrow for a progress bar.
+    fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: child_end}
     process = subprocess.Popen(
         [sys.executable, str(MAIN_PY), *args],
         cwd=cwd,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=child_end,
-        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        **streams,
     )
     os.close(child_end)
     output = b""
@@ -271,9 +286,9 @@ def run_main_on_a_terminal(*args: str, cwd: Path) -> tuple[str, str]:
             break
         output += chunk
     os.close(terminal)
-    stderr = process.stderr.read().decode()
-    assert process.wait(timeout=300) == 0, stderr
-    return output.decode().replace("\r\n", "\n"), stderr
+    other = (process.stderr if stream == "stdout" else process.stdout).read().decode()
+    assert process.wait(timeout=300) == 0, other if stream == "stdout" else output
+    return output.decode().replace("\r\n", "\n"), other
 
 
 def test_show_draft_colours_accepted_draft_tokens_on_a_terminal_only(
@@ -311,6 +326,27 @@ def test_drafting_modes_print_the_greedy_text_and_their_mode(
     drafting = DRAFTING.search(result.stderr)
     assert drafting, result.stderr
     assert drafting[1] == mode and drafting[2].startswith(draft_length)
+    assert bool(CALIBRATION.search(result.stderr)) == (draft_length == "auto"), result.stderr
+
+
+def test_calibration_is_apart_from_prompt_and_generation_speed(models, monkeypatch, capsys):
+    """auto's cost measurement, made to last a second, is the summary's
+    Calibration line and lowers neither the prompt's tokens/s nor the
+    generation's."""
+    measure_costs = SpeculativeDecoder.measure_costs
+
+    def slow_measure_costs(*args, **kwargs):
+        time.sleep(1)
+        return measure_costs(*args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "measure_costs", slow_measure_costs)
+    assert main_module.main([*model_args(models), *GENERATE, "--num-draft", "auto"]) == 0
+    summary = capsys.readouterr().err
+    assert float(CALIBRATION.search(summary)[1]) >= 1, summary
+    match = STATS.search(summary)
+    prompt_tokens, prompt_speed = int(match[1]), float(match[2])
+    tokens, speed = int(match[3]), float(match[4])
+    assert prompt_speed > prompt_tokens and speed > tokens, summary  # each took under a second
 
 
 # Runs main.py (argv[2:]) as ``python main.py`` would, and sends the process
@@ -353,28 +389,39 @@ def test_ctrl_c_while_importing_says_interrupted(module, models, tmp_path):
     assert (result.returncode, result.stderr, result.stdout) == (130, "interrupted\n", "")
 
 
-def test_ctrl_c_while_generating_keeps_the_text_and_summary(models, tmp_path):
-    """Ctrl-C once text is streaming: the line ended, "interrupted" and the
-    summary of what was generated on stderr, exit status 130, no traceback."""
-    main_dir, _ = models
+def interrupt_main(*args: str, cwd: Path, wait) -> tuple[int, str, str]:
+    """``python main.py ARGS`` in ``cwd``, sent SIGINT (as by Ctrl-C) once
+    ``wait(process)`` returns what it read of standard output; the exit
+    status, all of standard output and standard error."""
     process = subprocess.Popen(
-        [sys.executable, str(MAIN_PY), "--model-name", str(main_dir), "--regular-decode"]
-        + ["--prompt", PROMPT, "-m", "1000000"],
-        cwd=tmp_path,
+        [sys.executable, str(MAIN_PY), *args],
+        cwd=cwd,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        first = process.stdout.read(1)  # generation has started
+        read = wait(process)
         process.send_signal(signal.SIGINT)
         stdout, stderr = process.communicate(timeout=300)
     finally:
         process.kill()
-    assert process.returncode == 130, stderr
+    return process.returncode, read + stdout, stderr
+
+
+def test_ctrl_c_while_generating_keeps_the_text_and_summary(models, tmp_path):
+    """Ctrl-C once text is streaming: the line ended, "interrupted" and the
+    summary of what was generated on stderr, exit status 130, no traceback."""
+    main_dir, _ = models
+    returncode, stdout, stderr = interrupt_main(
+        *("--model-name", str(main_dir), "--regular-decode", "--prompt", PROMPT, "-m", "1000000"),
+        cwd=tmp_path,
+        wait=lambda process: process.stdout.read(1),  # generation has started
+    )
+    assert returncode == 130, stderr
     assert "Traceback" not in stderr
-    text = generated_text(first + stdout)
+    text = generated_text(stdout)
     lines = stderr.splitlines()
     assert lines[1:3] == ["interrupted", SEPARATOR], stderr
     assert stats(stderr)[0] >= len(text.split()) > 0
@@ -682,3 +729,302 @@ def test_bfloat16_model_on_the_cpu_gets_a_note(converted, models, tmp_path):
     for result, expected in ((bfloat16, [main_module.CPU_HALF_NOTE]), (float32, [])):
         assert result.returncode == 0, result.stderr
         assert [line for line in result.stderr.splitlines() if line.startswith("note:")] == expected
+
+
+# --- many prompts: --prompts ---------------------------------------------------------
+
+BATCH_PROMPTS = [  # the longest (24 tokens) not first: the memory check must find it
+    "hi",
+    "summarize: the dog sees the apple in the green garden.",
+    "translate English to German: the house is small.",
+    "Le chat est très petit.",
+    "the dog",
+]
+# Blank lines (skipped), a Windows line end and no final line end.
+PROMPTS_FILE = "\n".join(BATCH_PROMPTS[:2]) + "\n\n  \n" + "\r\n".join(BATCH_PROMPTS[2:])
+BATCH = ["--batch-size", "2", "-m", str(MAX_TOKENS)]  # refilled rows, finishing out of order
+BATCH_STATS = re.compile(
+    r"Prompts: (\d+) of (\d+) finished\n"
+    r"Prompt processing: (\d+) tokens, ([\d.]+) tokens/s\n"
+    r"Generation: (\d+) tokens, ([\d.]+) tokens/s \(([\d.]+) s of wall time after loading\)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def single_results(models) -> list[dict]:
+    """Each of BATCH_PROMPTS through main.py's single-prompt path alone (in
+    this process, greedy, drafted): its text, and its tokens (from the
+    library, whose text must be the same)."""
+    main_dir, draft_dir = models
+    decoder = SpeculativeDecoder(
+        load_model(main_dir), load_model(draft_dir), load_tokenizer(main_dir)
+    )
+    results = []
+    for prompt in BATCH_PROMPTS:
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+            assert main_module.main([*model_args(models), "--prompt", prompt, *BATCH[2:]]) == 0
+        text = generated_text(stdout.getvalue())
+        alone = decoder.speculative_decode(prompt, max_tokens=MAX_TOKENS)
+        assert alone.text == text
+        results.append({"text": text, "tokens": alone.tokens})
+    assert len({result["text"] for result in results}) == len(BATCH_PROMPTS)
+    return results
+
+
+def batch_stats(stderr: str, prompts: int = len(BATCH_PROMPTS)) -> tuple[int, int]:
+    """(finished prompts, generated tokens) from a --prompts run's summary,
+    after checking its other lines."""
+    match = BATCH_STATS.search(stderr)
+    assert match, stderr
+    assert int(match[2]) == prompts, stderr
+    assert int(match[3]) > 0 and float(match[4]) > 0, stderr
+    assert float(match[6]) > 0 and float(match[7]) >= 0, stderr
+    peak = PEAK_MEMORY.search(stderr)
+    assert peak and float(peak[1]) > 0, stderr
+    return int(match[1]), int(match[5])
+
+
+def test_prompts_file_gives_one_line_per_prompt_in_input_order(models, single_results, tmp_path):
+    """--prompts FILE: standard output is each prompt's text, one line each in
+    input order, the text of the prompt run alone; blank lines are skipped."""
+    (tmp_path / "prompts.txt").write_text(PROMPTS_FILE)
+    result = run_main(*model_args(models), "--prompts", "prompts.txt", *BATCH, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "".join(f"{single['text']}\n" for single in single_results)
+    assert batch_stats(result.stderr) == (
+        len(BATCH_PROMPTS),
+        sum(len(single["tokens"]) for single in single_results),
+    )
+    accepted, proposed = map(int, ACCEPTANCE.search(result.stderr).groups()[:2])
+    assert 0 < accepted <= proposed
+    assert DRAFTING.search(result.stderr)[1] == "draft model"
+    assert not CALIBRATION.search(result.stderr)
+    assert "prompt/s" not in result.stderr  # no progress bar: standard error is not a terminal
+
+
+def test_output_writes_json_lines_as_prompts_finish(models, single_results, tmp_path):
+    """--prompts - --output FILE: one JSON object per prompt, in completion
+    order, each with its index, text, tokens and acceptance; nothing on
+    standard output."""
+    result = run_main_with_input(
+        *model_args(models),
+        *("--prompts", "-", "--output", "out.jsonl", *BATCH),
+        stdin=PROMPTS_FILE,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    indices = [record["index"] for record in records]
+    assert sorted(indices) == list(range(len(BATCH_PROMPTS)))
+    # Completion order: the input order broken, else the in-order test proves little.
+    assert indices != sorted(indices)
+    for record in records:
+        assert set(record) == {"index", "text", "tokens", "n_accepted", "n_draft"}
+        single = single_results[record["index"]]
+        assert (record["text"], record["tokens"]) == (single["text"], single["tokens"])
+        assert 0 <= record["n_accepted"] <= record["n_draft"]
+    assert sum(record["n_draft"] for record in records) > 0
+    finished, tokens = batch_stats(result.stderr)
+    assert (finished, tokens) == (len(records), sum(len(r["tokens"]) for r in records))
+    match = ACCEPTANCE.search(result.stderr)
+    assert int(match[1]) == sum(record["n_accepted"] for record in records)
+    assert int(match[2]) == sum(record["n_draft"] for record in records)
+
+
+def test_existing_output_file_is_refused_untouched(models, tmp_path):
+    """--output never writes over a file: refused before anything is loaded."""
+    (tmp_path / "prompts.txt").write_text(PROMPTS_FILE)
+    (tmp_path / "out.jsonl").write_text("earlier results\n")
+    result = run_main(
+        *model_args(models), "--prompts", "prompts.txt", "--output", "out.jsonl", cwd=tmp_path
+    )
+    assert "out.jsonl already exists" in assert_one_line_error(result)
+    assert "Loading" not in result.stderr and result.stdout == ""
+    assert (tmp_path / "out.jsonl").read_text() == "earlier results\n"
+
+
+def fake_result(text: str, finished: bool) -> GenerationResult:
+    return GenerationResult([7, 8], text, prompt_tokens=3, prompt_time=0.001, finished=finished)
+
+
+def fake_stream_batch(texts: list[str]):
+    """A stand-in for SpeculativeDecoder.stream_batch that finishes the
+    prompts last first, prompt i with ``texts[i]``."""
+
+    def stream_batch(self, prompts, **kwargs):
+        assert len(prompts) == len(texts)
+        for index in reversed(range(len(texts))):
+            yield index, fake_result(texts[index], finished=True)
+
+    return stream_batch
+
+
+def test_line_breaks_in_texts_are_escaped_and_order_kept(models, monkeypatch, capsys, tmp_path):
+    """Prompts finishing last first still come out in input order, and a text
+    with line breaks stays on its line: \\n, \\r and \\ escaped."""
+    texts = ["one\ntwo", "back\\slash\\n", "carriage\r\nreturn", "plain"]
+    monkeypatch.setattr(SpeculativeDecoder, "stream_batch", fake_stream_batch(texts))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"prompt {i}" for i in range(len(texts))))
+    assert main_module.main([*model_args(models), "--prompts", str(prompts)]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    assert lines == [
+        "one\\ntwo",
+        "back\\\\slash\\\\n",
+        "carriage\\r\\nreturn",
+        "plain",
+        "",
+    ]
+    assert [main_module.one_line(text) for text in texts] == lines[:-1]
+
+
+@pytest.mark.parametrize("output", [True, False], ids=["output-file", "stdout"])
+def test_finished_line_is_written_at_once_and_kept_on_ctrl_c(
+    output, models, monkeypatch, capsys, tmp_path
+):
+    """--output: a finished prompt's line is in the file (flushed) before the
+    next main-model pass, and Ctrl-C then keeps it. Standard output cannot
+    write it before the unfinished prompts ahead of it, and says so. Both:
+    exit 130, "interrupted" and the partial summary on stderr."""
+    path = tmp_path / "out.jsonl"
+    on_disk = []
+
+    def stream_batch(self, prompts, **kwargs):
+        yield 2, fake_result("done", finished=True)
+        on_disk.append(path.read_text() if output else None)
+        yield 0, fake_result("half", finished=False)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SpeculativeDecoder, "stream_batch", stream_batch)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a\nb\nc\n")
+    run = [*model_args(models), "--prompts", str(prompts)]
+    assert main_module.main(run + (["--output", str(path)] if output else [])) == 130
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "interrupted\n" in captured.err
+    assert batch_stats(captured.err, 3) == (1, 4)
+    if output:
+        line = '{"index": 2, "text": "done", "tokens": [7, 8], "n_accepted": 0, "n_draft": 0}\n'
+        assert on_disk == [line]
+        assert path.read_text() == line
+        assert "note:" not in captured.err
+    else:
+        note = "stops before the first unfinished prompt: 1 finished after it is not written"
+        assert note in captured.err
+
+
+@pytest.mark.parametrize(
+    ("args", "files", "mentioned"),
+    [
+        (["--prompts", "missing.txt"], {}, "missing.txt: no such file"),
+        (["--prompts", "p.txt"], {"p.txt": ""}, "no prompts"),
+        (["--prompts", "p.txt"], {"p.txt": "\n  \n\t\n"}, "no prompts"),
+        (["--prompts", "-"], {}, "no prompts"),  # empty standard input
+        (["--prompts", "p.txt", "--batch-size", "0"], {"p.txt": "hi"}, "--batch-size"),
+        (["--prompts", "p.txt", "--prompt", "hi"], {"p.txt": "hi"}, "--prompt"),
+        (["--prompts", "p.txt", "--show-draft"], {"p.txt": "hi"}, "--show-draft"),
+        (["--batch-size", "4"], {}, "--batch-size goes with --prompts"),
+        (["--output", "o.jsonl"], {}, "--output goes with --prompts"),
+        (["--prompts", "p.txt", "--output", "no/o.jsonl"], {"p.txt": "hi"}, "no directory"),
+    ],
+    ids=[
+        "missing-file",
+        "empty-file",
+        "blank-lines-only",
+        "empty-stdin",
+        "batch-size-0",
+        "prompt-and-prompts",
+        "show-draft",
+        "batch-size-alone",
+        "output-alone",
+        "output-directory-missing",
+    ],
+)
+def test_bad_prompts_arguments_give_one_line_error(args, files, mentioned, models, tmp_path):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    result = run_main_with_input(*model_args(models), *args, stdin="", cwd=tmp_path)
+    assert mentioned in assert_one_line_error(result)
+    assert "Loading" not in result.stderr and result.stdout == ""
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(files)
+
+
+def test_batch_that_does_not_fit_names_a_batch_size_that_does(
+    models, single_results, monkeypatch, capsys, tmp_path
+):
+    """The memory check counts min(--batch-size, prompts) rows of the longest
+    prompt and names the largest batch size that fits; that one runs."""
+    longest = max(len(ids) for ids in load_tokenizer(models[0])(BATCH_PROMPTS).input_ids)
+    weights = sum((path / "weights.npz").stat().st_size for path in models)
+    row = sum(main_module.runtime_bytes(path, longest, MAX_TOKENS) for path in models)
+    monkeypatch.setattr(main_module, "available_memory", lambda: weights + 2 * row + row // 2)
+    (tmp_path / "prompts.txt").write_text(PROMPTS_FILE)
+    run = [*model_args(models), "--prompts", str(tmp_path / "prompts.txt"), "-m", str(MAX_TOKENS)]
+    assert main_module.main(run) == 1  # the default batch size, 8: 5 rows, as many as prompts
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    needed = main_module.format_bytes(weights + len(BATCH_PROMPTS) * row)
+    assert f"need about {needed} for a batch of {len(BATCH_PROMPTS)}" in line, line
+    assert line.startswith("error: ") and line.endswith("; --batch-size 2 fits"), line
+    assert main_module.main([*run, "--batch-size", "2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "".join(f"{single['text']}\n" for single in single_results)
+
+
+@pytest.mark.parametrize("output", [False, True], ids=["stdout", "output-file"])
+def test_ctrl_c_during_a_batch_keeps_the_finished_prompts(output, models, tmp_path):
+    """Ctrl-C once prompts have finished: their lines are kept (flushed),
+    "interrupted" and the partial summary on stderr, exit status 130."""
+    num_prompts = 40 * len(BATCH_PROMPTS)
+    (tmp_path / "prompts.txt").write_text("\n".join(BATCH_PROMPTS * 40))
+    results = tmp_path / "out.jsonl"
+
+    def first_prompt_done(process: subprocess.Popen) -> str:
+        if not output:
+            return process.stdout.readline()
+        deadline = time.monotonic() + 300  # a prompt is done once its line is in the file
+        while not (results.exists() and results.read_text().endswith("\n")):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.02)
+        return ""
+
+    returncode, stdout, stderr = interrupt_main(
+        *model_args(models),
+        *("--prompts", "prompts.txt", "--batch-size", "2", "-m", "60"),
+        *(["--output", str(results)] if output else []),
+        cwd=tmp_path,
+        wait=first_prompt_done,
+    )
+    assert returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "interrupted\n" + SEPARATOR in stderr, stderr
+    finished, tokens = batch_stats(stderr, num_prompts)
+    assert 1 <= finished < num_prompts, stderr
+    if output:
+        assert stdout == ""
+        records = [json.loads(line) for line in results.read_text().splitlines()]
+        assert len(records) == finished
+        assert all(record["text"] and record["tokens"] for record in records)
+        assert tokens >= sum(len(record["tokens"]) for record in records)
+    else:
+        lines = stdout.splitlines(keepends=True)
+        assert 1 <= len(lines) <= finished and all(line.endswith("\n") for line in lines)
+        assert all(line.strip() for line in lines)
+
+
+def test_progress_bar_on_a_terminal(models, single_results, tmp_path):
+    """With standard error on a terminal, a progress bar counts the prompts
+    there; standard output keeps the texts alone. (With auto, whose
+    calibration the summary gives.)"""
+    (tmp_path / "prompts.txt").write_text(PROMPTS_FILE)
+    args = [*model_args(models), "--prompts", "prompts.txt", *BATCH, "--num-draft", "auto"]
+    on_terminal, stdout = run_main_on_a_terminal(*args, cwd=tmp_path, stream="stderr")
+    assert stdout == "".join(f"{single['text']}\n" for single in single_results)
+    total = len(BATCH_PROMPTS)
+    assert f"{total}/{total}" in on_terminal and "prompt/s" in on_terminal, on_terminal
+    assert batch_stats(on_terminal)[0] == total
+    assert float(CALIBRATION.search(on_terminal)[1]) >= 0
