@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures import copy_tokenizer, tokenizer_vocab_size
+from fixtures import assert_within, copy_tokenizer, tokenizer_vocab_size
 from mlx import nn
 from test_convert import ROOT, assert_one_line_error, offline_env
 from test_decoder import PROMPTS
@@ -139,9 +139,8 @@ def teacher_forced_agreement(
 )
 def test_quantized_model_equals_its_dequantized_twin(name, bits, group_size, mode, quantized):
     out = quantized(name, bits, group_size, mode)
-    error = relative_error_to_twin(out)
-    print(f"\n{name} {bits}-bit {mode} g{group_size}: logits error {error:.1e} of their scale")
-    assert error <= PARITY_TOLERANCE
+    what = f"quantized {name}-{bits}bit-{mode}-g{group_size}"
+    assert_within(what, relative_error_to_twin(out), PARITY_TOLERANCE)
 
 
 @pytest.mark.parametrize("name", WIDE)
@@ -210,7 +209,9 @@ def test_layers_too_narrow_for_the_group_stay_float(hf_checkpoint, tmp_path, cap
         for layer in stack.layers:
             assert type(layer.ff.wo) is Linear
             assert isinstance(layer.ff.wi, nn.QuantizedLinear)
-    assert relative_error_to_twin(out) <= PARITY_TOLERANCE
+    assert_within(
+        "quantized narrow_ff-4bit-affine-g64", relative_error_to_twin(out), PARITY_TOLERANCE
+    )
 
     # Groups of 32 divide 96: everything is quantized, and nothing is said.
     out = convert.convert(
@@ -280,11 +281,11 @@ def test_draft_check_accepts_other_precisions(quantized, converted_pair):
 
 @pytest.mark.parametrize("name", WIDE)
 def test_quantized_logits_stay_close_to_float(name, quantized, converted):
-    """Teacher-forced top-1 agreement with float32, reported. These random,
-    sharpened fixtures are fragile (Gaussian noise of 0.1% of each weight's
-    spread flips 5-11% of their argmaxes), so the numbers are far below a
-    trained model's (0.99 at 8 bits, 0.92 at 4 in issue 8); asserted: 8-bit well
-    above what was measured as the worst here (0.58), and clearly above 4-bit."""
+    """Teacher-forced top-1 agreement with float32, reported. On these fixtures
+    (attention as initialised, fixtures.PARITY_QK_SCALE) 8-bit measured 0.992
+    (ReLU) and 0.958 (gated), 4-bit 0.817 and 0.592 (a trained model: 0.99 at
+    8 bits, 0.92 at 4 in issue 8); asserted: 8-bit at least 0.9, and above
+    4-bit by at least 0.1 (measured: 0.175 and 0.366)."""
     reference = load_model(converted(name))
     tokenizer = load_tokenizer(converted(name))
     rates = {
@@ -294,8 +295,8 @@ def test_quantized_logits_stay_close_to_float(name, quantized, converted):
         for bits in (8, 4)
     }
     print(f"\n{name}: top-1 agreement with float32: 8-bit {rates[8]:.3f}, 4-bit {rates[4]:.3f}")
-    assert rates[8] >= 0.4
-    assert rates[8] >= rates[4] + 0.2
+    assert rates[8] >= 0.9
+    assert rates[8] >= rates[4] + 0.1
 
 
 # --- the command line ---------------------------------------------------------------
