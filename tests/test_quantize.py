@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from fixtures import assert_within, copy_tokenizer, tokenizer_vocab_size
 from mlx import nn
-from test_convert import ROOT, assert_one_line_error, offline_env
+from test_convert import ROOT, assert_one_line_error, bin_checkpoint, offline_env
 from test_decoder import PROMPTS
 from test_model import random_ids
 
@@ -414,7 +414,9 @@ def write_random_safetensors(file: Path, shapes: dict[str, tuple[int, ...]]) -> 
 # Runs convert.main in a fresh interpreter and prints its peak resident memory
 # (bytes) after the imports (the baseline) and after converting. The baseline
 # includes the tokenizer library convert imports when it reads the tokenizer,
-# a fixed cost of some 240 MB whatever the model's size. On Linux ru_maxrss
+# a fixed cost of some 240 MB whatever the model's size (transformers imports
+# torch), and torch itself when the first argument is "bin" (convert reads .bin
+# weights with it), whatever transformers imports. On Linux ru_maxrss
 # carries the parent's high-water mark through fork and exec (the pytest
 # process is large), so there the peak is read as VmHWM, which exec resets.
 MEASURE_CONVERSION = """
@@ -431,14 +433,18 @@ def peak_rss():
 import convert
 imported = peak_rss()
 from transformers import AutoTokenizer
+if sys.argv[2] == "bin":
+    import torch
 baseline = peak_rss()
-code = convert.main(sys.argv[2:])
+code = convert.main(sys.argv[3:])
 print(json.dumps({"code": code, "imported": imported, "baseline": baseline, "peak": peak_rss()}))
 """
 
 
-def test_quantized_conversion_memory_is_bounded(tmp_path, tokenizer_dir):
-    """Peak resident memory above the baseline <= output + 4 x the largest input tensor."""
+@pytest.mark.parametrize("weights_format", ["safetensors", "bin"])
+def test_quantized_conversion_memory_is_bounded(weights_format, tmp_path, tokenizer_dir):
+    """Peak resident memory above the baseline <= output + 4 x the largest input tensor,
+    from safetensors and from a pytorch_model.bin (memory-mapped)."""
     checkpoint = tmp_path / "big-t5"
     checkpoint.mkdir()
     assert BIG_CONFIG["vocab_size"] >= tokenizer_vocab_size(tokenizer_dir)
@@ -447,10 +453,13 @@ def test_quantized_conversion_memory_is_bounded(tmp_path, tokenizer_dir):
         write_random_safetensors(checkpoint / "model.safetensors", shapes)
         (checkpoint / "config.json").write_text(json.dumps(BIG_CONFIG))
         copy_tokenizer(tokenizer_dir, checkpoint)
+        if weights_format == "bin":
+            source, checkpoint = checkpoint, bin_checkpoint(checkpoint, tmp_path / "big-t5-bin")
+            shutil.rmtree(source)
         out = tmp_path / "big-t5-4bit"
         args = ["--model", str(checkpoint), "-q", "--out", str(out), "--dtype", "float32"]
         run = subprocess.run(
-            [sys.executable, "-c", MEASURE_CONVERSION, str(ROOT), *args],
+            [sys.executable, "-c", MEASURE_CONVERSION, str(ROOT), weights_format, *args],
             check=False,
             env=offline_env(),
             capture_output=True,
@@ -460,6 +469,8 @@ def test_quantized_conversion_memory_is_bounded(tmp_path, tokenizer_dir):
         assert run.returncode == 0, run.stderr
         memory = json.loads(run.stdout.splitlines()[-1])
         assert memory["code"] == 0
+        # Nothing is left beside the weights (a .bin is copied through an unlinked file).
+        assert not [file for file in checkpoint.iterdir() if file.name.startswith(".")]
     finally:
         shutil.rmtree(checkpoint)
     baseline, peak = memory["baseline"], memory["peak"]
@@ -468,7 +479,7 @@ def test_quantized_conversion_memory_is_bounded(tmp_path, tokenizer_dir):
     output = (out / "weights.npz").stat().st_size
     bound = output + 4 * largest
     print(
-        f"\nconversion of {input_size / 1e9:.2f} GB float32 to 4 bits: "
+        f"\nconversion of {input_size / 1e9:.2f} GB float32 {weights_format} to 4 bits: "
         f"{(peak - baseline) / 1e6:.0f} MB above the baseline "
         f"({baseline / 1e6:.0f} MB; {memory['imported'] / 1e6:.0f} MB before importing "
         f"transformers), bound {bound / 1e6:.0f} MB = output {output / 1e6:.0f} MB "
