@@ -20,7 +20,7 @@ from fixtures import PARITY_QK_SCALE, build_checkpoint, train_tokenizer
 import convert
 
 WIDTH_64 = {"d_model": 64, "d_ff": 128, "num_heads": 4, "d_kv": 16}
-# Checkpoints whose logits are compared with transformers' float64 ones: not so sharp that
+# Checkpoints whose logits are compared with an exact (float64) reference: not so sharp that
 # float32 round-off alone moves them (see fixtures.PARITY_QK_SCALE).
 PARITY = {"qk_scale": PARITY_QK_SCALE}
 

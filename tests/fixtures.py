@@ -69,6 +69,7 @@ QK_SCALE = 3.0  # q and k: sharper attention patterns
 # transformers in float64, depending on the BLAS kernels: such a fixture tests its own
 # conditioning, not the port. With 1.0: up to 2.7e-6 and 2.3e-6, and each parity test's
 # positions still have 20-28 distinct argmaxes (tests/numerics_sweep.py, on a Zen 3 EPYC).
+# Quantized models against their float64 twins: 1.6e-5 of the logits' scale, with 1.0 8e-7.
 PARITY_QK_SCALE = 1.0
 MIN_DISTINCT_PER_PROMPT = 5  # check_varied thresholds (over 20 greedy tokens)
 MIN_DISTINCT_OVERALL = 12
@@ -277,7 +278,8 @@ def build_checkpoint(
     """Save a random-init T5 checkpoint (safetensors + config + tokenizer) and return ``out_dir``.
 
     ``tied=False`` writes a separate ``lm_head.weight`` and ``"tie_word_embeddings": false``
-    (T5 v1.1 layout, normally paired with ``feed_forward_proj="gated-gelu"``). With
+    (T5 v1.1 layout, normally paired with ``feed_forward_proj="gated-gelu"``). ``qk_scale``
+    multiplies the query and key projections (see ``QK_SCALE`` and ``PARITY_QK_SCALE``). With
     ``ensure_varied`` the init is re-drawn (seed + 1000 * attempt) until ``check_varied`` passes.
     """
     out_dir = Path(out_dir)
