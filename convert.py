@@ -227,8 +227,8 @@ def write_safetensors(
     libc = ctypes.CDLL(None)
     for name in list(state):
         tensor = state.pop(name)
-        stored = tensor.to(getattr(torch, stored_type(tensor))).contiguous()
-        stream.write(stored.reshape(-1).view(torch.uint8).numpy().data)
+        stored = tensor.to(getattr(torch, stored_type(tensor))).reshape(-1)  # copies if strided
+        stream.write(stored.view(torch.uint8).numpy().data)
         if release_pages:
             storage = tensor.untyped_storage()
             start = storage.data_ptr() - storage.data_ptr() % mmap.PAGESIZE

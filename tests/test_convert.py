@@ -300,11 +300,15 @@ def test_pytorch_bin_is_read_with_weights_only(tmp_path, hf_checkpoint, monkeypa
 )
 def test_pytorch_bin_formats_and_types(legacy, dtype, tmp_path, hf_checkpoint, capsys):
     """A legacy (non-zip) .bin converts as a zip one does, after one line saying it is
-    loaded whole and how much memory that takes; half-precision tensors keep their values;
-    nothing is left beside the checkpoint (its tensors pass through an unlinked file)."""
+    loaded whole and how much memory that takes; half-precision and non-contiguous tensors
+    keep their values; nothing is left beside the checkpoint (its tensors pass through an
+    unlinked file)."""
     source = hf_checkpoint("relu_tied")
     checkpoint = copy_checkpoint(source, tmp_path / "bin", without=(HF_WEIGHTS,))
     tensors = {name: tensor.to(dtype) for name, tensor in load_file(source / HF_WEIGHTS).items()}
+    # Stored column by column: a tensor need not be contiguous in its storage.
+    tensors["shared.weight"] = tensors["shared.weight"].t().contiguous().t()
+    assert not tensors["shared.weight"].is_contiguous()
     bin_file = checkpoint / "pytorch_model.bin"
     torch.save(tensors, bin_file, _use_new_zipfile_serialization=not legacy)
     files = sorted(checkpoint.iterdir())
