@@ -8,6 +8,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -323,6 +324,26 @@ def test_pytorch_bin_formats_and_types(legacy, dtype, tmp_path, hf_checkpoint, c
         if convert.mlx_name(hf_name) is not None:
             np.testing.assert_array_equal(weights[convert.mlx_name(hf_name)], tensor.float())
     assert sorted(checkpoint.iterdir()) == files
+
+
+def test_pytorch_bin_beside_which_nothing_can_be_written(
+    tmp_path, hf_checkpoint, converted, monkeypatch
+):
+    """A .bin in a read-only directory passes through the system's temporary directory."""
+    checkpoint = bin_checkpoint(hf_checkpoint("relu_tied"), tmp_path / "bin")
+    make_temporary_file = tempfile.mkstemp
+    refused = []
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == checkpoint:
+            refused.append(dir)
+            raise PermissionError(f"read-only: {dir}")
+        return make_temporary_file(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    out = convert.convert(str(checkpoint), tmp_path / "out", "float32")
+    assert refused
+    assert_same_weights(out, converted("relu_tied"))
 
 
 class CreatesFileWhenUnpickled:

@@ -1,5 +1,7 @@
 """The MLX T5 computes the same function as transformers' T5 (torch)."""
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -34,7 +36,13 @@ def random_ids(shape, vocab_size, seed):
     return np.random.default_rng(seed).integers(3, vocab_size, size=shape)
 
 
-def transformers_logits(hf_dir, dtype, inputs, mask, decoder_inputs) -> np.ndarray:
+def transformers_logits(
+    hf_dir: Path,
+    dtype: torch.dtype,
+    inputs: np.ndarray,
+    mask: np.ndarray,
+    decoder_inputs: np.ndarray,
+) -> np.ndarray:
     """Logits of the checkpoint in ``hf_dir`` computed by transformers in ``dtype``, as float64."""
     with torch.no_grad():
         return (
