@@ -10,8 +10,8 @@ greedy-identity and sampling tests. For each setting it prints the tests
 passed and failed and, per kind of check, the largest error and its bound,
 which the tests print on ``numerics:`` lines.
 
-    python tests/numerics_sweep.py               # about 5 minutes on 2 cores
-    python tests/numerics_sweep.py --decoding    # about N minutes
+    python tests/numerics_sweep.py               # about 5 minutes on 2 busy cores
+    python tests/numerics_sweep.py --decoding    # 9 to 18 minutes per setting there
 
 It exits non-zero if any setting fails. Every log is kept in ``--logs``.
 Kernel sets need the CPU's instructions: SkylakeX (AVX-512) cannot run on a
