@@ -13,7 +13,9 @@ convert.py never deletes or replaces what it did not write.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import re
 import shutil
@@ -22,6 +24,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 # Before mlx.core: on Linux it loads an optimized BLAS, which MLX binds to only if loaded first.
 import blas  # noqa: F401  # isort: skip
@@ -38,6 +41,9 @@ from cli import (
     written_by_convert,
 )
 from model import T5, ModelArgs, quantizable_layers
+
+if TYPE_CHECKING:  # torch is needed only to read .bin weights
+    import torch
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "spiece.model"]
@@ -216,8 +222,8 @@ def weight_files(checkpoint: Path) -> list[Path]:
 
 
 def read_shard(file: Path) -> dict[str, mx.array]:
-    """Tensors of one shard. ``.bin`` files need torch and are read with
-    ``weights_only=True``, so a checkpoint cannot run code on this machine."""
+    """Tensors of one shard, lazily: a tensor's bytes are read when it is
+    evaluated. ``.bin`` files need torch (see ``read_pytorch_shard``)."""
     if not file.is_file():
         raise ValueError(f"missing weight file {file}")
     if file.suffix == ".safetensors":
@@ -225,6 +231,29 @@ def read_shard(file: Path) -> dict[str, mx.array]:
             return mx.load(str(file))
         except (RuntimeError, ValueError) as error:
             raise ValueError(f"cannot read {file}: {error}") from None
+    return read_pytorch_shard(file)
+
+
+# Tensor types MLX reads from safetensors as they are (by torch's name): safetensors'
+# name and bytes per value. A .bin's tensors of other types are written as float32.
+SAFETENSORS_TYPES = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
+# torch.save's format since torch 1.6 is a zip archive, whose tensors can be memory-mapped.
+ZIP_MAGIC = b"PK\x03\x04"
+MADV_DONTNEED = 4  # the same on Linux and macOS
+
+
+def read_pytorch_shard(file: Path) -> dict[str, mx.array]:
+    """Tensors of a ``pytorch_model.bin`` shard, read with ``weights_only=True``
+    (a checkpoint cannot run code here), as lazy MLX arrays.
+
+    MLX reads only safetensors lazily, so the tensors are copied one at a
+    time into a temporary safetensors file beside the shard (in their own
+    type: as many bytes as the shard's), which is unlinked as soon as MLX
+    has opened it. A zip-format file (torch 1.6 and later) is memory-mapped
+    and each tensor's pages are released once copied, so memory never holds
+    more than one tensor; a legacy file can only be loaded whole, which is
+    said before it starts.
+    """
     try:
         import torch
     except ImportError:
@@ -232,11 +261,71 @@ def read_shard(file: Path) -> dict[str, mx.array]:
             f"{file.parent} has only PyTorch .bin weights; install torch to read them, "
             "or use a checkpoint with safetensors"
         ) from None
+    with file.open("rb") as stream:
+        mapped = stream.read(len(ZIP_MAGIC)) == ZIP_MAGIC
+    if not mapped:
+        print(
+            f"{file.name} is in PyTorch's legacy format, which cannot be memory-mapped: "
+            f"it is loaded whole, about {file.stat().st_size / 1e9:.2f} GB of memory",
+            flush=True,
+        )
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=mapped)
     except Exception as error:  # noqa: BLE001 - a refused or broken pickle raises many kinds
         raise ValueError(f"cannot read {file}: {str(error).splitlines()[0]}") from None
-    return {name: mx.array(tensor.float().numpy()) for name, tensor in state.items()}
+    if not isinstance(state, dict) or not all(
+        isinstance(tensor, torch.Tensor) for tensor in state.values()
+    ):
+        raise ValueError(f"cannot read {file}: it holds no dictionary of tensors")
+    try:
+        descriptor, staging = tempfile.mkstemp(
+            prefix=f".{file.name}.", suffix=".safetensors", dir=file.parent
+        )
+    except OSError:  # a read-only checkpoint directory
+        descriptor, staging = tempfile.mkstemp(suffix=".safetensors")
+    try:
+        with os.fdopen(descriptor, "wb") as stream:
+            write_safetensors(stream, state, release_pages=mapped)
+        return mx.load(staging)  # opens the file: unlinking it below keeps the bytes
+    finally:
+        os.unlink(staging)
+
+
+def stored_type(tensor: torch.Tensor) -> str:
+    """The type ``tensor`` is written in: its own, if MLX reads it, else float32."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    return name if name in SAFETENSORS_TYPES else "float32"
+
+
+def write_safetensors(
+    stream: BinaryIO, state: dict[str, torch.Tensor], release_pages: bool
+) -> None:
+    """Write ``state`` to ``stream`` in the safetensors format (header length,
+    JSON header, the tensors' bytes), one tensor at a time, emptying ``state``.
+    ``release_pages``: the tensors are memory-mapped, and the pages each one
+    was read through are given back once it is written (they would otherwise
+    stay resident until the whole shard is done)."""
+    import torch
+
+    header, offset = {}, 0
+    for name, tensor in state.items():
+        kind, width = SAFETENSORS_TYPES[stored_type(tensor)]
+        end = offset + width * tensor.numel()
+        header[name] = {"dtype": kind, "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        offset = end
+    header_bytes = json.dumps(header).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the tensors to 8 bytes
+    stream.write(len(header_bytes).to_bytes(8, "little") + header_bytes)
+    libc = ctypes.CDLL(None)
+    for name in list(state):
+        tensor = state.pop(name)
+        stored = tensor.to(getattr(torch, stored_type(tensor))).reshape(-1)  # copies if strided
+        stream.write(stored.view(torch.uint8).numpy().data)
+        if release_pages:
+            storage = tensor.untyped_storage()
+            start = storage.data_ptr() - storage.data_ptr() % mmap.PAGESIZE
+            length = storage.data_ptr() + storage.nbytes() - start
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_DONTNEED)
 
 
 def read_tokenizer(checkpoint: Path):

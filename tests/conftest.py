@@ -15,30 +15,47 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # Before anything imports mlx (convert does): on Linux it loads an optimized BLAS for MLX.
 import blas  # noqa: F401  # isort: skip
-from fixtures import build_checkpoint, train_tokenizer
+from fixtures import PARITY_QK_SCALE, build_checkpoint, train_tokenizer
 
 import convert
 
 WIDTH_64 = {"d_model": 64, "d_ff": 128, "num_heads": 4, "d_kv": 16}
+# Checkpoints whose logits are compared with an exact (float64) reference: not so sharp that
+# float32 round-off alone moves them (see fixtures.PARITY_QK_SCALE).
+PARITY = {"qk_scale": PARITY_QK_SCALE}
 
 # Each architecture the converter and the model must handle.
 CHECKPOINTS = {
     # Original T5: ReLU, tied embeddings, decoder output scaled by d_model**-0.5.
-    "relu_tied": {"feed_forward_proj": "relu", "tied": True},
+    "relu_tied": {"feed_forward_proj": "relu", "tied": True, **PARITY},
     # T5 v1.1 / FLAN-T5: gated GELU, a separate lm_head, no scaling.
-    "gated_untied": {"feed_forward_proj": "gated-gelu", "tied": False, "seed": 1},
-    "deep_decoder": {"num_layers": 2, "num_decoder_layers": 3, "seed": 2},
+    "gated_untied": {"feed_forward_proj": "gated-gelu", "tied": False, "seed": 1, **PARITY},
+    "deep_decoder": {"num_layers": 2, "num_decoder_layers": 3, "seed": 2, **PARITY},
     # num_heads * d_kv = 64 != d_model = 32, as in T5-11B.
-    "wide_heads": {"num_heads": 4, "d_kv": 16, "d_model": 32, "seed": 3},
+    "wide_heads": {"num_heads": 4, "d_kv": 16, "d_model": 32, "seed": 3, **PARITY},
     # Original T5 whose residual stream leaves the float16 range.
     "overflowing": {"feed_forward_proj": "relu", "tied": True, "seed": 5},
     # The main model of the decoding tests.
     "main": {"feed_forward_proj": "gated-gelu", "tied": False, "seed": 4},
     # d_model 64: quantization groups of 32 and of 64 both divide every input width.
-    "relu_tied_64": {"feed_forward_proj": "relu", "tied": True, **WIDTH_64, "seed": 6},
-    "gated_untied_64": {"feed_forward_proj": "gated-gelu", "tied": False, **WIDTH_64, "seed": 7},
+    # Their quantized logits are compared with a float64 twin's: PARITY too.
+    "relu_tied_64": {"feed_forward_proj": "relu", "tied": True, **WIDTH_64, "seed": 6, **PARITY},
+    "gated_untied_64": {
+        "feed_forward_proj": "gated-gelu",
+        "tied": False,
+        **WIDTH_64,
+        "seed": 7,
+        **PARITY,
+    },
     # d_ff 96: with groups of 64 the feed-forward output projections stay float.
-    "narrow_ff": {"feed_forward_proj": "relu", "tied": True, **WIDTH_64, "d_ff": 96, "seed": 8},
+    "narrow_ff": {
+        "feed_forward_proj": "relu",
+        "tied": True,
+        **WIDTH_64,
+        "d_ff": 96,
+        "seed": 8,
+        **PARITY,
+    },
 }
 
 

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -316,6 +317,58 @@ def test_pytorch_bin_is_read_with_weights_only(tmp_path, hf_checkpoint, monkeypa
     assert all(kwargs.get("weights_only") is True for kwargs in calls), calls
 
 
+@pytest.mark.parametrize(
+    ("legacy", "dtype"),
+    [(True, torch.float32), (False, torch.bfloat16), (False, torch.float16)],
+    ids=["legacy-float32", "zip-bfloat16", "zip-float16"],
+)
+def test_pytorch_bin_formats_and_types(legacy, dtype, tmp_path, hf_checkpoint, capsys):
+    """A legacy (non-zip) .bin converts as a zip one does, after one line saying it is
+    loaded whole and how much memory that takes; half-precision and non-contiguous tensors
+    keep their values; nothing is left beside the checkpoint (its tensors pass through an
+    unlinked file)."""
+    source = hf_checkpoint("relu_tied")
+    checkpoint = copy_checkpoint(source, tmp_path / "bin", without=(HF_WEIGHTS,))
+    tensors = {name: tensor.to(dtype) for name, tensor in load_file(source / HF_WEIGHTS).items()}
+    # Stored column by column: a tensor need not be contiguous in its storage.
+    tensors["shared.weight"] = tensors["shared.weight"].t().contiguous().t()
+    assert not tensors["shared.weight"].is_contiguous()
+    bin_file = checkpoint / "pytorch_model.bin"
+    torch.save(tensors, bin_file, _use_new_zipfile_serialization=not legacy)
+    files = sorted(checkpoint.iterdir())
+    capsys.readouterr()
+    out = convert.convert(str(checkpoint), tmp_path / "out", "float32")
+    notes = [line for line in capsys.readouterr().out.splitlines() if "loaded whole" in line]
+    size = f"{bin_file.stat().st_size / 1e9:.2f} GB"
+    expected = "pytorch_model.bin is in PyTorch's legacy format, which cannot be memory-mapped: "
+    assert notes == ([f"{expected}it is loaded whole, about {size} of memory"] if legacy else [])
+    weights = read_weights(out)
+    for hf_name, tensor in tensors.items():
+        if convert.mlx_name(hf_name) is not None:
+            np.testing.assert_array_equal(weights[convert.mlx_name(hf_name)], tensor.float())
+    assert sorted(checkpoint.iterdir()) == files
+
+
+def test_pytorch_bin_beside_which_nothing_can_be_written(
+    tmp_path, hf_checkpoint, converted, monkeypatch
+):
+    """A .bin in a read-only directory passes through the system's temporary directory."""
+    checkpoint = bin_checkpoint(hf_checkpoint("relu_tied"), tmp_path / "bin")
+    make_temporary_file = tempfile.mkstemp
+    refused = []
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == checkpoint:
+            refused.append(dir)
+            raise PermissionError(f"read-only: {dir}")
+        return make_temporary_file(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    out = convert.convert(str(checkpoint), tmp_path / "out", "float32")
+    assert refused
+    assert_same_weights(out, converted("relu_tied"))
+
+
 class CreatesFileWhenUnpickled:
     """Unpickling this calls ``open(path, "w")``: code run by merely reading a checkpoint."""
 
@@ -328,6 +381,10 @@ class CreatesFileWhenUnpickled:
 
 def write_code_running_bin(file: Path, marker: Path) -> None:
     torch.save({"shared.weight": CreatesFileWhenUnpickled(marker)}, file)
+
+
+def write_tensor_list(file: Path, marker: Path) -> None:
+    torch.save([torch.ones(2)], file)
 
 
 def write_garbage(file: Path, marker: Path) -> None:
@@ -343,10 +400,17 @@ def write_truncated_safetensors(file: Path, marker: Path) -> None:
     [
         ("pytorch_model.bin", write_code_running_bin),
         ("pytorch_model.bin", write_garbage),
+        ("pytorch_model.bin", write_tensor_list),
         ("model.safetensors", write_garbage),
         ("model.safetensors", write_truncated_safetensors),
     ],
-    ids=["bin-running-code", "bin-garbage", "safetensors-garbage", "safetensors-truncated"],
+    ids=[
+        "bin-running-code",
+        "bin-garbage",
+        "bin-not-a-state-dict",
+        "safetensors-garbage",
+        "safetensors-truncated",
+    ],
 )
 def test_unreadable_weights_give_one_line_error(file_name, write, tmp_path, hf_checkpoint, capsys):
     """Bad weight files end the CLI with ``error: ...``; a pickle never runs code."""

@@ -15,9 +15,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures import copy_tokenizer, tokenizer_vocab_size
+from fixtures import assert_within, copy_tokenizer, tokenizer_vocab_size
 from mlx import nn
-from test_convert import ROOT, assert_one_line_error, offline_env
+from test_convert import ROOT, assert_one_line_error, bin_checkpoint, offline_env
 from test_decoder import PROMPTS
 from test_model import random_ids
 
@@ -139,9 +139,8 @@ def teacher_forced_agreement(
 )
 def test_quantized_model_equals_its_dequantized_twin(name, bits, group_size, mode, quantized):
     out = quantized(name, bits, group_size, mode)
-    error = relative_error_to_twin(out)
-    print(f"\n{name} {bits}-bit {mode} g{group_size}: logits error {error:.1e} of their scale")
-    assert error <= PARITY_TOLERANCE
+    what = f"quantized {name}-{bits}bit-{mode}-g{group_size}"
+    assert_within(what, relative_error_to_twin(out), PARITY_TOLERANCE)
 
 
 @pytest.mark.parametrize("name", WIDE)
@@ -210,7 +209,9 @@ def test_layers_too_narrow_for_the_group_stay_float(hf_checkpoint, tmp_path, cap
         for layer in stack.layers:
             assert type(layer.ff.wo) is Linear
             assert isinstance(layer.ff.wi, nn.QuantizedLinear)
-    assert relative_error_to_twin(out) <= PARITY_TOLERANCE
+    assert_within(
+        "quantized narrow_ff-4bit-affine-g64", relative_error_to_twin(out), PARITY_TOLERANCE
+    )
 
     # Groups of 32 divide 96: everything is quantized, and nothing is said.
     out = convert.convert(
@@ -280,11 +281,11 @@ def test_draft_check_accepts_other_precisions(quantized, converted_pair):
 
 @pytest.mark.parametrize("name", WIDE)
 def test_quantized_logits_stay_close_to_float(name, quantized, converted):
-    """Teacher-forced top-1 agreement with float32, reported. These random,
-    sharpened fixtures are fragile (Gaussian noise of 0.1% of each weight's
-    spread flips 5-11% of their argmaxes), so the numbers are far below a
-    trained model's (0.99 at 8 bits, 0.92 at 4 in issue 8); asserted: 8-bit well
-    above what was measured as the worst here (0.58), and clearly above 4-bit."""
+    """Teacher-forced top-1 agreement with float32, reported. On these fixtures
+    (attention as initialised, fixtures.PARITY_QK_SCALE) 8-bit measured 0.992
+    (ReLU) and 0.958 (gated), 4-bit 0.817 and 0.592 (a trained model: 0.99 at
+    8 bits, 0.92 at 4 in issue 8); asserted: 8-bit at least 0.9, and above
+    4-bit by at least 0.1 (measured: 0.175 and 0.366)."""
     reference = load_model(converted(name))
     tokenizer = load_tokenizer(converted(name))
     rates = {
@@ -294,8 +295,8 @@ def test_quantized_logits_stay_close_to_float(name, quantized, converted):
         for bits in (8, 4)
     }
     print(f"\n{name}: top-1 agreement with float32: 8-bit {rates[8]:.3f}, 4-bit {rates[4]:.3f}")
-    assert rates[8] >= 0.4
-    assert rates[8] >= rates[4] + 0.2
+    assert rates[8] >= 0.9
+    assert rates[8] >= rates[4] + 0.1
 
 
 # --- the command line ---------------------------------------------------------------
@@ -413,7 +414,9 @@ def write_random_safetensors(file: Path, shapes: dict[str, tuple[int, ...]]) -> 
 # Runs convert.main in a fresh interpreter and prints its peak resident memory
 # (bytes) after the imports (the baseline) and after converting. The baseline
 # includes the tokenizer library convert imports when it reads the tokenizer,
-# a fixed cost of some 240 MB whatever the model's size. On Linux ru_maxrss
+# a fixed cost of some 240 MB whatever the model's size (transformers imports
+# torch), and torch itself when the first argument is "bin" (convert reads .bin
+# weights with it), whatever transformers imports. On Linux ru_maxrss
 # carries the parent's high-water mark through fork and exec (the pytest
 # process is large), so there the peak is read as VmHWM, which exec resets.
 MEASURE_CONVERSION = """
@@ -430,14 +433,18 @@ def peak_rss():
 import convert
 imported = peak_rss()
 from transformers import AutoTokenizer
+if sys.argv[2] == "bin":
+    import torch
 baseline = peak_rss()
-code = convert.main(sys.argv[2:])
+code = convert.main(sys.argv[3:])
 print(json.dumps({"code": code, "imported": imported, "baseline": baseline, "peak": peak_rss()}))
 """
 
 
-def test_quantized_conversion_memory_is_bounded(tmp_path, tokenizer_dir):
-    """Peak resident memory above the baseline <= output + 4 x the largest input tensor."""
+@pytest.mark.parametrize("weights_format", ["safetensors", "bin"])
+def test_quantized_conversion_memory_is_bounded(weights_format, tmp_path, tokenizer_dir):
+    """Peak resident memory above the baseline <= output + 4 x the largest input tensor,
+    from safetensors and from a pytorch_model.bin (memory-mapped)."""
     checkpoint = tmp_path / "big-t5"
     checkpoint.mkdir()
     assert BIG_CONFIG["vocab_size"] >= tokenizer_vocab_size(tokenizer_dir)
@@ -446,10 +453,13 @@ def test_quantized_conversion_memory_is_bounded(tmp_path, tokenizer_dir):
         write_random_safetensors(checkpoint / "model.safetensors", shapes)
         (checkpoint / "config.json").write_text(json.dumps(BIG_CONFIG))
         copy_tokenizer(tokenizer_dir, checkpoint)
+        if weights_format == "bin":
+            source, checkpoint = checkpoint, bin_checkpoint(checkpoint, tmp_path / "big-t5-bin")
+            shutil.rmtree(source)
         out = tmp_path / "big-t5-4bit"
         args = ["--model", str(checkpoint), "-q", "--out", str(out), "--dtype", "float32"]
         run = subprocess.run(
-            [sys.executable, "-c", MEASURE_CONVERSION, str(ROOT), *args],
+            [sys.executable, "-c", MEASURE_CONVERSION, str(ROOT), weights_format, *args],
             check=False,
             env=offline_env(),
             capture_output=True,
@@ -459,6 +469,8 @@ def test_quantized_conversion_memory_is_bounded(tmp_path, tokenizer_dir):
         assert run.returncode == 0, run.stderr
         memory = json.loads(run.stdout.splitlines()[-1])
         assert memory["code"] == 0
+        # Nothing is left beside the weights (a .bin is copied through an unlinked file).
+        assert not [file for file in checkpoint.iterdir() if file.name.startswith(".")]
     finally:
         shutil.rmtree(checkpoint)
     baseline, peak = memory["baseline"], memory["peak"]
@@ -467,7 +479,7 @@ def test_quantized_conversion_memory_is_bounded(tmp_path, tokenizer_dir):
     output = (out / "weights.npz").stat().st_size
     bound = output + 4 * largest
     print(
-        f"\nconversion of {input_size / 1e9:.2f} GB float32 to 4 bits: "
+        f"\nconversion of {input_size / 1e9:.2f} GB float32 {weights_format} to 4 bits: "
         f"{(peak - baseline) / 1e6:.0f} MB above the baseline "
         f"({baseline / 1e6:.0f} MB; {memory['imported'] / 1e6:.0f} MB before importing "
         f"transformers), bound {bound / 1e6:.0f} MB = output {output / 1e6:.0f} MB "
