@@ -51,11 +51,11 @@ FOUR_BIT = {"group_size": 64, "bits": 4, "mode": "affine"}
 CPU_QUANTIZED_NOTE = (
     "note: on the CPU, MLX's quantized matrix products slow down with every row, so prompt "
     "processing and speculative verify passes are many times slower than in float32; "
-    "for speed here, convert with --dtype float32 and no -q (see README, Linux)"
+    "for speed here, convert with --dtype float32 and no -q (see docs/linux.md)"
 )
 CPU_HALF_NOTE = (
     "note: on the CPU, MLX's bfloat16 and float16 matrix products are about half as fast as "
-    "its float32 ones; for speed here, convert with --dtype float32 (see README, Linux)"
+    "its float32 ones; for speed here, convert with --dtype float32 (see docs/linux.md)"
 )
 # Accepted draft tokens, with --show-draft on a terminal.
 DRAFT_COLOUR, RESET = "\033[32m", "\033[0m"

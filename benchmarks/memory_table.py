@@ -1,10 +1,10 @@
-"""The README's memory table: the weights of the T5 family at each precision.
+"""The memory table of docs/converting.md: the weights of the T5 family at each precision.
 
     python benchmarks/memory_table.py
 
 Sizes come from ``model.parameter_bytes``, the shapes of the real models'
 configs (below, as published on the Hugging Face Hub) quantized as
-``convert.py -q`` would; ``tests/test_quantize.py`` checks ``parameter_bytes``
+``convert.py -q`` would; ``tests/test_convert.py`` checks ``parameter_bytes``
 against the files ``convert.py`` writes.
 """
 

@@ -935,7 +935,7 @@ def test_checkpoint_missing_a_tensor_is_refused(tmp_path, hf_checkpoint):
 def test_parameter_bytes_match_the_converted_files(
     name, dtype, quantization, tmp_path, hf_checkpoint
 ):
-    """The README's memory table and main.py's memory check compute sizes
+    """The memory table (docs/converting.md) and main.py's memory check compute sizes
     with parameter_bytes: they are those of the files convert.py writes."""
     settings = quantization and convert.quantization_settings(*quantization, "affine")
     out = convert.convert(str(hf_checkpoint(name)), tmp_path / "out", dtype, settings)

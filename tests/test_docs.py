@@ -1,0 +1,106 @@
+"""The README and docs/ link only to what exists: every relative link points
+at a file of the repository and every #anchor at a heading of its page, and
+every docs page the code names (in notes it prints) exists."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.DOTALL | re.MULTILINE)
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+# [text](target) and ![alt](target); the text may hold code spans, blanked first.
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*([^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
+# docs pages named in the code, e.g. "see docs/linux.md" or "docs/linux.md#threads".
+CODE_REFERENCE = re.compile(r"\b((?:docs/[\w.-]+|README)\.md)(#[\w-]+)?")
+
+
+def prose(text: str) -> str:
+    """``text`` without fenced code blocks, and with code spans blanked."""
+    return CODE_SPAN.sub("code", FENCE.sub("", text))
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the headings of ``page``."""
+    seen: dict[str, int] = {}
+    result = set()
+    for heading in HEADING.findall(FENCE.sub("", page.read_text())):
+        heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text only
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        result.add(slug if count == 0 else f"{slug}-{count}")
+    return result
+
+
+def relative_links(page: Path) -> list[str]:
+    return [
+        target
+        for target in LINK.findall(prose(page.read_text()))
+        if not re.match(r"[a-z][a-z0-9+.-]*:", target)  # http:, https:, mailto: ...
+    ]
+
+
+def broken(page: Path, target: str) -> str | None:
+    """Why ``target``, linked from ``page``, is broken; None if it is not."""
+    path, _, anchor = target.partition("#")
+    file = (page.parent / path).resolve() if path else page
+    if not file.exists():
+        return f"{target}: no such file"
+    if not file.is_relative_to(ROOT):
+        return f"{target}: outside the repository"
+    if anchor and file.suffix == ".md" and anchor not in anchors(file):
+        return f"{target}: no heading #{anchor} in {file.relative_to(ROOT)}"
+    return None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_relative_links_point_at_files_and_headings(page):
+    links = relative_links(page)
+    problems = [problem for target in links if (problem := broken(page, target))]
+    assert not problems, problems
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {
+        (ROOT / target.partition("#")[0]).resolve() for target in relative_links(ROOT / "README.md")
+    }
+    unlinked = [page.name for page in PAGES[1:] if page not in linked]
+    assert not unlinked, unlinked
+
+
+def test_docs_pages_named_in_the_code_exist():
+    sources = [*ROOT.glob("*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("tests/*.py")]
+    problems = []
+    for source in sources:
+        if source.name == Path(__file__).name:
+            continue
+        for name, anchor in CODE_REFERENCE.findall(source.read_text()):
+            file = ROOT / name
+            if not file.exists():
+                problems.append(f"{source.name}: {name}: no such file")
+            elif anchor and anchor[1:] not in anchors(file):
+                problems.append(f"{source.name}: {name}{anchor}: no such heading")
+    assert not problems, problems
+
+
+def test_the_checks_catch_broken_links(tmp_path, monkeypatch):
+    """A missing file, a missing heading and a heading that exists."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Title\n\n## Choosing g: `--num-draft auto`\n\n"
+        "[a](missing.md) [b](#nowhere) [c](#choosing-g---num-draft-auto) "
+        "[d](https://example.com) `[e](not-a-link.md)`\n\n```\n[f](in-code.md)\n```\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert relative_links(page) == ["missing.md", "#nowhere", "#choosing-g---num-draft-auto"]
+    assert [broken(page, target) is None for target in relative_links(page)] == [
+        False,
+        False,
+        True,
+    ]
