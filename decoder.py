@@ -23,6 +23,7 @@ a batch of one. Drafters and the draft-length rule live in ``drafting.py``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -47,113 +48,11 @@ from drafting import (
     trim_to,
 )
 from model import T5, DecoderCache, ModelArgs, load_config
+from sampling import RowSampling, Sampling, row_key, split_keys, verify
 
 
 class IncompatibleDraftError(ValueError):
     """The draft model cannot propose tokens for the main model."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How a token is chosen from logits. ``temp == 0`` means greedy (argmax);
-    otherwise softmax(logits / temp), restricted to the ``top_k`` likeliest
-    tokens (0: all) and to the smallest set whose probability reaches ``top_p``."""
-
-    temp: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self):
-        if not 0 <= self.temp < float("inf"):  # nan fails this too
-            raise ValueError(f"temperature must be a number >= 0, got {self.temp}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top-k must be an integer >= 0, got {self.top_k!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temp == 0
-
-    def probabilities(self, logits: mx.array) -> mx.array:
-        """The sampling distribution over the last axis of ``logits``."""
-        logits = logits.astype(mx.float32) / self.temp
-        if 0 < self.top_k < logits.shape[-1]:
-            kth_largest = mx.topk(logits, self.top_k, axis=-1).min(axis=-1, keepdims=True)
-            logits = mx.where(logits < kth_largest, -mx.inf, logits)
-        probs = mx.softmax(logits, axis=-1)
-        if self.top_p < 1:
-            descending = -mx.sort(-probs, axis=-1)
-            mass_before = mx.cumsum(descending, axis=-1) - descending
-            # The smallest kept probability: tokens before it hold < top_p.
-            num_kept = (mass_before < self.top_p).sum(axis=-1, keepdims=True)
-            smallest_kept = mx.take_along_axis(descending, num_kept - 1, axis=-1)
-            probs = mx.where(probs < smallest_kept, 0.0, probs)
-            probs = probs / probs.sum(axis=-1, keepdims=True)
-        return probs
-
-    def sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
-        """One token per row of ``logits``, and the distribution it was drawn
-        from (None when greedy)."""
-        if self.greedy:
-            return mx.argmax(logits, axis=-1), None
-        probs = self.probabilities(logits)
-        return mx.random.categorical(mx.log(probs)), probs
-
-
-def verify(
-    draft_tokens: mx.array,
-    draft_probs: mx.array | None,
-    main_logits: mx.array,
-    sampling: Sampling,
-    delta: float,
-    draft_lengths: mx.array | None = None,
-) -> tuple[mx.array, mx.array]:
-    """Decide, for every row of a batch, how many of its draft tokens the
-    main model accepts, and the token that follows them.
-
-    ``draft_tokens`` is [B, g]; row i proposed its first ``draft_lengths[i]``
-    (default: all g). ``main_logits`` is [B, g + 1, vocabulary]: position j
-    scores the position of draft token j, position g the one after all of
-    them. Returns ``(num_accepted, next_token)``, each [B].
-
-    Sampling (temp > 0): x_i is accepted when ``u * (1 - delta) * q(x) <= p(x)``
-    with u uniform in (0, 1]; for delta = 0 that is probability min(1, p/q),
-    the paper's rule, and a rejected token is replaced by a sample from
-    normalize(max(0, p - q)). Greedy (temp = 0): x_i is accepted when it is
-    the main model's argmax or, for delta > 0, when ``p(x) >= (1 - delta) *
-    max p`` with p the main model's softmax; a rejected token is replaced by
-    the argmax. In both, delta = 1 accepts every draft token. A row that
-    accepted all its draft tokens adds one sampled from p (its q is zero
-    past its length, so the residual there is p itself).
-    """
-    batch_size, num_draft = draft_tokens.shape
-    if num_draft == 0:  # nothing to verify: an ordinary decoding step
-        return mx.zeros(batch_size, mx.int32), sampling.sample(main_logits[:, 0])[0]
-    if sampling.greedy:
-        main_tokens = mx.argmax(main_logits, axis=-1)
-        accepted = draft_tokens == main_tokens[:, :num_draft]
-        if delta > 0:
-            probs = mx.softmax(main_logits[:, :num_draft].astype(mx.float32), axis=-1)
-            chosen = mx.take_along_axis(probs, draft_tokens[..., None], axis=-1)[..., 0]
-            accepted = accepted | (chosen >= (1 - delta) * probs.max(axis=-1))
-        candidates = main_tokens
-    else:
-        probs = sampling.probabilities(main_logits)
-        p = mx.take_along_axis(probs[:, :num_draft], draft_tokens[..., None], axis=-1)[..., 0]
-        q = mx.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
-        u = 1 - mx.random.uniform(shape=(batch_size, num_draft))
-        accepted = u * (1 - delta) * q <= p
-        # Position i < g: the replacement should x_i be rejected; position g: the extra token.
-        residual = mx.maximum(probs[:, :num_draft] - draft_probs, 0)
-        candidates = mx.random.categorical(
-            mx.log(mx.concatenate([residual, probs[:, num_draft:]], axis=1))
-        )
-    if draft_lengths is not None:
-        accepted = accepted & (mx.arange(num_draft) < draft_lengths[:, None])
-    num_accepted = mx.cumprod(accepted.astype(mx.int32), axis=1).sum(axis=1)
-    next_token = mx.take_along_axis(candidates, num_accepted[:, None], axis=1)[:, 0]
-    return num_accepted, next_token
 
 
 @dataclass
@@ -254,12 +153,255 @@ def check_draft_directories(main_path: str | Path, draft_path: str | Path) -> No
 
 @dataclass
 class Row:
-    """One prompt being decoded in a batch."""
+    """One prompt being decoded in a batch, or waiting for a place in it."""
 
-    index: int  # the prompt's place in the input
-    sequence: list[int]  # the start token and every token generated
-    result: GenerationResult
-    start: float  # time.perf_counter() when its prompt processing began
+    uid: int  # the generator's name for it
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    seed: int | None
+    sequence: list[int] = dataclasses.field(default_factory=list)  # start token + generated
+    result: GenerationResult | None = None  # set when the row joins the batch
+    key: mx.array | None = None  # its stream of random numbers, from the seed
+    start: float = 0.0  # time.perf_counter() when its prompt processing began
+    cancelled: bool = False
+
+
+GREEDY = Sampling()
+
+
+class BatchGenerator:
+    """Rows of one batch decoded together, one round (one main-model pass)
+    per call of ``next``. Prompts ``insert``ed wait in a queue and take the
+    places of finished rows (or new places, up to ``max_batch_size``) at the
+    start of the next round; the prompts that join in one round are encoded
+    together. Each row has its own ``max_tokens``, sampling settings and
+    random stream. Not thread-safe: one thread owns a generator and MLX."""
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        *,
+        speculative: bool = True,
+        max_batch_size: int = 8,
+        cost_batch_size: int | None = None,
+    ):
+        if not (isinstance(max_batch_size, int) and max_batch_size >= 1):
+            raise ValueError(f"batch_size must be >= 1, got {max_batch_size!r}")
+        self.decoder = decoder
+        self.speculative = speculative and decoder.drafting != "none"
+        self.max_batch_size = max_batch_size
+        # "auto" weighs the costs measured at this many rows (default: the first rows' number).
+        self.cost_batch_size = cost_batch_size
+        self.waiting: deque[Row] = deque()
+        self.rows: list[Row | None] = []  # one per row of the caches; None: a free place
+        self.main_cache: DecoderCache | None = None
+        self.drafter = None
+        self.draft_length: DraftLength | None = None
+        self.uids = itertools.count()
+
+    def __len__(self) -> int:
+        """Prompts decoding or waiting."""
+        return len(self.waiting) + sum(row is not None and not row.cancelled for row in self.rows)
+
+    def insert(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 100,
+        sampling: Sampling = GREEDY,
+        seed: int | None = None,
+    ) -> int:
+        """Queue ``prompt`` (text, or token ids) and return its uid, which
+        the events of ``next`` name. A seeded prompt draws the same random
+        numbers whatever else the batch holds."""
+        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
+        if seed is not None and not is_seed(seed):
+            raise ValueError(f"seed must be {SEEDS}, got {seed!r}")
+        row = Row(next(self.uids), self.decoder.prompt_ids(prompt), max_tokens, sampling, seed)
+        self.waiting.append(row)
+        return row.uid
+
+    def cancel(self, uid: int) -> None:
+        """Stop decoding ``uid``: it leaves the queue, or frees its row at the next round."""
+        for row in self.waiting:
+            if row.uid == uid:
+                self.waiting.remove(row)
+                return
+        for row in self.rows:
+            if row is not None and row.uid == uid:
+                row.cancelled = True
+
+    def next(self) -> list[tuple[int, GenerationResult]]:
+        """Run one round over every row and return ``(uid, result)`` for each:
+        a new result object every time, ``result.finished`` on a prompt's
+        last (end of sequence or its ``max_tokens``). Empty when nothing
+        decodes or waits."""
+        self._admit()
+        rows = self.rows
+        if not rows:
+            return []
+        decoder = self.decoder
+        sampling = RowSampling([row.sampling for row in rows])
+        sequences = [row.sequence for row in rows]
+        # Never propose more tokens than a row may still generate.
+        limits = [row.max_tokens - len(row.result.tokens) - 1 for row in rows]
+        verify_keys = draft_keys = next_keys = None
+        if not sampling.greedy:
+            row_keys = mx.stack([row.key for row in rows])
+            next_keys, verify_keys, draft_keys = split_keys(row_keys, 3)
+        draft = None
+        if self.drafter is not None and max(limits) > 0:
+            choose = self.draft_length.choose
+            draft = self.drafter.propose(sequences, sampling, choose, limits, draft_keys)
+        draft = draft or Draft.empty(len(rows))
+        # The main cache holds every accepted position of a row but its
+        # last token, which is the next input.
+        trim_to(self.main_cache, sequences)
+        inputs = mx.concatenate([mx.array([[s[-1]] for s in sequences]), draft.tokens], axis=1)
+        logits = decoder.model.decode(inputs, self.main_cache)
+        num_accepted, next_tokens = verify(
+            draft.tokens,
+            draft.probs,
+            logits,
+            sampling,
+            decoder.delta,
+            mx.array(draft.lengths),
+            verify_keys,
+        )
+        mx.eval(num_accepted, next_tokens, draft.tokens, next_keys)
+
+        events = []
+        eos = decoder.model.args.eos_token_id
+        for i, (row, accepted, next_token, draft_tokens) in enumerate(
+            zip(rows, num_accepted.tolist(), next_tokens.tolist(), draft.tokens.tolist())
+        ):
+            if next_keys is not None:
+                row.key = next_keys[i]
+            num_draft = draft.lengths[i]
+            new_tokens = draft_tokens[:accepted] + [next_token]
+            rejected = accepted < num_draft
+            finished = eos in new_tokens
+            if finished:
+                end = new_tokens.index(eos)
+                if end < accepted:  # the draft's own EOS: later draft tokens went untested
+                    accepted, rejected = end + 1, False
+                new_tokens = new_tokens[:end]
+            result = row.result
+            if num_draft > 0:
+                self.draft_length.update(draft.sources[i], accepted, accepted + int(rejected))
+                result.draft_lengths.append(num_draft)
+                result.n_lookup_rounds += draft.sources[i] == "lookup"
+            result.n_steps += 1
+            result.n_draft += num_draft
+            result.n_accepted += accepted
+            result.n_rejected += int(rejected)
+            row.sequence += new_tokens
+            result.tokens += new_tokens
+            result.from_draft += [j < accepted for j in range(len(new_tokens))]
+            result.text = decoder.tokenizer.decode(result.tokens, skip_special_tokens=True)
+            result.finished = finished or len(result.tokens) >= row.max_tokens
+            result.elapsed = time.perf_counter() - row.start
+            events.append((row.uid, snapshot(result)))
+            if result.finished:
+                self.rows[i] = None
+        if not self.waiting:  # nothing will take the finished rows' places
+            self._drop_free_rows()
+        return events
+
+    def _drop_free_rows(self) -> None:
+        """Remove the rows that hold no prompt from the caches."""
+        kept = [i for i, row in enumerate(self.rows) if row is not None]
+        if len(kept) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in kept]
+        if not kept:  # an idle generator holds no cache
+            self.main_cache = self.drafter = None
+            return
+        self.main_cache.keep_rows(kept)
+        if self.drafter is not None:
+            self.drafter.keep_rows(kept)
+
+    def _admit(self) -> None:
+        """Let waiting prompts take free rows, then new ones up to
+        ``max_batch_size``; encode them together."""
+        for i, row in enumerate(self.rows):
+            if row is not None and row.cancelled:
+                self.rows[i] = None
+        free = self.rows.count(None)
+        capacity = free + self.max_batch_size - len(self.rows)
+        joining = [self.waiting.popleft() for _ in range(min(capacity, len(self.waiting)))]
+        if len(joining) < free:
+            self._drop_free_rows()
+        if not joining:
+            return
+        places = [i for i, row in enumerate(self.rows) if row is None]
+        places += range(len(self.rows), len(self.rows) + len(joining) - len(places))
+        self.rows += [None] * (max(places) + 1 - len(self.rows))
+        prompts = [row.prompt_ids for row in joining]
+
+        start = time.perf_counter()
+        cache = self.decoder.model.prompt_cache(prompts)
+        if self.main_cache is None:
+            self.main_cache = cache
+            if self.speculative:
+                self.drafter = self.decoder.drafter(prompts)
+        else:
+            self.main_cache.admit(places, cache)
+            if self.drafter is not None:
+                self.drafter.admit(places, prompts)
+        prompt_time = (time.perf_counter() - start) / len(joining)
+        calibration_time = self._calibrate(joining) if self.draft_length is None else 0.0
+        for place, row in zip(places, joining):
+            row.sequence = [self.decoder.model.args.decoder_start_token_id]
+            row.key = row_key(row.seed) if not row.sampling.greedy else GREEDY_KEY
+            row.result = GenerationResult(
+                [],
+                prompt_tokens=len(row.prompt_ids),
+                prompt_time=prompt_time,
+                calibration_time=calibration_time,
+            )
+            row.start = start
+            self.rows[place] = row
+
+    def _calibrate(self, joining: list[Row]) -> float:
+        """Set up the draft length rule for the generator's first rows; the
+        seconds "auto" spent measuring its costs."""
+        if not self.speculative:
+            return 0.0
+        decoder = self.decoder
+        costs, tic = ({}, []), time.perf_counter()
+        if decoder.num_draft == "auto":
+            costs = decoder.measure_costs(
+                joining[0].prompt_ids, self.cost_batch_size or len(joining)
+            )
+        # Acceptance depends on the pair, how lookup matches, sampling and delta.
+        key = (
+            decoder.drafting,
+            decoder.prompt_lookup,
+            id(decoder.draft_model),
+            joining[0].sampling,
+            decoder.delta,
+        )
+        earlier = decoder.acceptance.setdefault(key, acceptance_counts())
+        self.draft_length = DraftLength(decoder.num_draft, *costs, earlier)
+        return time.perf_counter() - tic if decoder.num_draft == "auto" else 0.0
+
+
+# Greedy rows draw nothing; a batch that samples in other rows splits this
+# key for them too, and never uses what it gives.
+GREEDY_KEY = mx.random.key(0)
+
+
+def snapshot(result: GenerationResult) -> GenerationResult:
+    """A copy of ``result`` that later rounds do not change."""
+    return dataclasses.replace(
+        result,
+        tokens=list(result.tokens),
+        from_draft=list(result.from_draft),
+        draft_lengths=list(result.draft_lengths),
+    )
 
 
 class SpeculativeDecoder:
@@ -292,7 +434,7 @@ class SpeculativeDecoder:
         self.delta = delta
         self.prompt_lookup = prompt_lookup
         self._costs = {}  # measured once per batch size: see measure_costs
-        self._acceptance = {}  # per way of drafting: see DraftLength
+        self.acceptance = {}  # per way of drafting: see DraftLength
 
     @property
     def drafting(self) -> str:
@@ -303,20 +445,33 @@ class SpeculativeDecoder:
             return "prompt lookup"
         return "none" if self.draft_model is None else "draft model"
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> mx.array:
-        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-        if not ids or (isinstance(prompt, str) and not prompt.strip()):
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The token ids of ``prompt``: text, or token ids as they are.
+        ``TypeError`` for anything else, ``ValueError`` for an empty prompt
+        or an id outside the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("the prompt is empty")
+            return self.tokenizer(prompt).input_ids
+        if not isinstance(prompt, Sequence) or not all(
+            isinstance(token, int) and not isinstance(token, bool) for token in prompt
+        ):
+            raise TypeError(
+                "a prompt must be a string or a sequence of token ids (int), "
+                f"got {type(prompt).__name__}"
+            )
+        if not prompt:
             raise ValueError("the prompt is empty")
-        return mx.array([ids])
+        vocab_size = self.model.args.vocab_size
+        outside = [token for token in prompt if not 0 <= token < vocab_size]
+        if outside:
+            raise ValueError(
+                f"token id {outside[0]} is outside the vocabulary (0 .. {vocab_size - 1})"
+            )
+        return list(prompt)
 
-    def _prompt_cache(self, prompt_ids: mx.array) -> DecoderCache:
-        cache = self.model.make_cache(self.model.encode(prompt_ids))
-        # Prompt processing ends here, so generation speed can be told apart from it.
-        mx.eval(cache.cross_keys_values)
-        return cache
-
-    def _drafter(self, prompts: list[mx.array]):
-        """A drafter for a batch of ``prompts``."""
+    def drafter(self, prompts: list[list[int]]):
+        """A drafter for a batch of ``prompts`` (token ids)."""
         vocab_size = self.model.args.vocab_size
         if self.drafting == "prompt lookup":
             return PromptLookupDrafter(prompts, vocab_size, self.prompt_lookup)
@@ -330,7 +485,7 @@ class SpeculativeDecoder:
         return HybridDrafter(lookup, model_drafter)
 
     def measure_costs(
-        self, prompt_ids: mx.array, batch_size: int = 1
+        self, prompt_ids: Sequence[int], batch_size: int = 1
     ) -> tuple[dict[str, float], list[float]]:
         """What "auto" weighs at ``batch_size`` rows, timed on ``prompt_ids``
         once per decoder (and draft model) and batch size: a draft token's
@@ -338,7 +493,7 @@ class SpeculativeDecoder:
         source, and the time of a main pass over 1 .. MAX_AUTO_DRAFT + 1
         tokens per row over that of a pass over one."""
         if ("verify", batch_size) not in self._costs:
-            encoder_output = self.model.encode(prompt_ids)
+            encoder_output = self.model.encode(mx.array([list(prompt_ids)]))
             main = pass_times(self.model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size)
             self._costs["verify", batch_size] = [t / main[0] for t in main]
             self._costs["main step", batch_size] = main[0]
@@ -347,10 +502,19 @@ class SpeculativeDecoder:
         if self.draft_model is not None:
             key = id(self.draft_model), batch_size
             if key not in self._costs:
-                draft_step = draft_token_time(self.draft_model, prompt_ids, batch_size)
+                draft_step = draft_token_time(self.draft_model, list(prompt_ids), batch_size)
                 self._costs[key] = draft_step / self._costs["main step", batch_size]
             draft_costs["model"] = self._costs[key]
         return draft_costs, self._costs["verify", batch_size]
+
+    def batch_generator(
+        self, *, speculative: bool = True, max_batch_size: int = 8, **kwargs
+    ) -> BatchGenerator:
+        """A ``BatchGenerator`` decoding with this decoder: prompts join it
+        while it runs (``insert``), one round per ``next``."""
+        return BatchGenerator(
+            self, speculative=speculative, max_batch_size=max_batch_size, **kwargs
+        )
 
     def stream_batch(
         self,
@@ -365,137 +529,64 @@ class SpeculativeDecoder:
         seed: int | None = None,
     ) -> Iterator[tuple[int, GenerationResult]]:
         """Decode ``prompts``, ``batch_size`` at a time, and yield ``(index,
-        result)`` for every prompt in the batch after every main-model pass;
-        ``result.finished`` marks a prompt's last. A prompt that finishes
-        (end of sequence or ``max_tokens``) leaves the batch and the next
-        waiting prompt takes its place. Regular decoding
-        (``speculative=False``, or nothing to draft with) is the same loop
-        with no draft tokens."""
-        if isinstance(prompts, str) or not prompts:
+        result)`` for every prompt in the batch after every main-model pass
+        (a new result object each time); ``result.finished`` marks a
+        prompt's last. A prompt that finishes (end of sequence or
+        ``max_tokens``) leaves the batch and the next waiting prompt takes
+        its place. Regular decoding (``speculative=False``, or nothing to
+        draft with) is the same loop with no draft tokens. With ``seed``,
+        every prompt draws the random numbers it would draw alone, so it
+        gets the text it gets alone (for a fixed ``num_draft``)."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts")
-        if not (isinstance(batch_size, int) and batch_size >= 1):
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        if not (isinstance(max_tokens, int) and max_tokens >= 1):
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
-        if seed is not None and not is_seed(seed):
-            raise ValueError(f"seed must be {SEEDS}, got {seed!r}")
-        sampling = Sampling(temp, top_p, top_k)
-        speculative = speculative and self.drafting != "none"
-        queue = deque(enumerate(map(self._prompt_ids, prompts)))
-        if seed is not None:
-            mx.random.seed(seed)
-        eos = self.model.args.eos_token_id
-
-        start = time.perf_counter()
-        first = [queue.popleft() for _ in range(min(batch_size, len(queue)))]
-        main_cache = DecoderCache.join([self._prompt_cache(ids) for _, ids in first])
-        drafter = self._drafter([ids for _, ids in first]) if speculative else None
-        prompt_time = (time.perf_counter() - start) / len(first)
-        calibration_time = 0.0
-        if drafter is not None:
-            costs = ({}, [])
-            if self.num_draft == "auto":
-                tic = time.perf_counter()
-                costs = self.measure_costs(first[0][1], len(first))
-                calibration_time = time.perf_counter() - tic
-            # Acceptance depends on the pair, how lookup matches, sampling and delta.
-            key = self.drafting, self.prompt_lookup, id(self.draft_model), sampling, self.delta
-            earlier = self._acceptance.setdefault(key, acceptance_counts())
-            draft_length = DraftLength(self.num_draft, *costs, earlier)
-        rows = [self._row(index, ids, start, prompt_time, calibration_time) for index, ids in first]
-        while rows:
-            sequences = [row.sequence for row in rows]
-            # Never propose more tokens than a row may still generate.
-            limits = [max_tokens - len(row.result.tokens) - 1 for row in rows]
-            draft = None
-            if drafter is not None and max(limits) > 0:
-                draft = drafter.propose(sequences, sampling, draft_length.choose, limits)
-            draft = draft or Draft.empty(len(rows))
-            # The main cache holds every accepted position of a row but its
-            # last token, which is the next input.
-            trim_to(main_cache, sequences)
-            inputs = mx.concatenate([mx.array([[s[-1]] for s in sequences]), draft.tokens], axis=1)
-            logits = self.model.decode(inputs, main_cache)
-            num_accepted, next_tokens = verify(
-                draft.tokens, draft.probs, logits, sampling, self.delta, mx.array(draft.lengths)
-            )
-            mx.eval(num_accepted, next_tokens, draft.tokens)
-
-            done = []
-            for i, (row, accepted, next_token, draft_tokens) in enumerate(
-                zip(rows, num_accepted.tolist(), next_tokens.tolist(), draft.tokens.tolist())
-            ):
-                num_draft = draft.lengths[i]
-                new_tokens = draft_tokens[:accepted] + [next_token]
-                rejected = accepted < num_draft
-                finished = eos in new_tokens
-                if finished:
-                    end = new_tokens.index(eos)
-                    if end < accepted:  # the draft's own EOS: later draft tokens went untested
-                        accepted, rejected = end + 1, False
-                    new_tokens = new_tokens[:end]
-                result = row.result
-                if num_draft > 0:
-                    draft_length.update(draft.sources[i], accepted, accepted + int(rejected))
-                    result.draft_lengths.append(num_draft)
-                    result.n_lookup_rounds += draft.sources[i] == "lookup"
-                result.n_steps += 1
-                result.n_draft += num_draft
-                result.n_accepted += accepted
-                result.n_rejected += int(rejected)
-                row.sequence += new_tokens
-                result.tokens += new_tokens
-                result.from_draft += [j < accepted for j in range(len(new_tokens))]
-                result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
-                result.finished = finished or len(result.tokens) >= max_tokens
-                result.elapsed = time.perf_counter() - row.start
-                yield row.index, result
-                if result.finished:
-                    done.append(i)
-
-            # Waiting prompts take the places of finished ones; then the rest leave.
-            while done and queue:
-                row, (index, ids) = done.pop(0), queue.popleft()
-                tic = time.perf_counter()
-                main_cache.restart_row(row, self._prompt_cache(ids))
-                if drafter is not None:
-                    drafter.restart_row(row, ids)
-                rows[row] = self._row(index, ids, tic, time.perf_counter() - tic)
-            if done:
-                kept = [i for i in range(len(rows)) if i not in done]
-                rows = [rows[i] for i in kept]
-                if rows:
-                    main_cache.keep_rows(kept)
-                    if drafter is not None:
-                        drafter.keep_rows(kept)
-
-    def _row(
-        self,
-        index: int,
-        prompt_ids: mx.array,
-        start: float,
-        prompt_time: float,
-        calibration_time: float = 0.0,
-    ) -> Row:
-        """A row about to decode the prompt at ``index``, its prompt processed."""
-        result = GenerationResult(
-            [],
-            prompt_tokens=prompt_ids.shape[1],
-            prompt_time=prompt_time,
-            calibration_time=calibration_time,
+        return self._stream(
+            prompts,
+            speculative=speculative,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            sampling=Sampling(temp, top_p, top_k),
+            seed=seed,
+            name_prompts=True,
         )
-        return Row(index, [self.model.args.decoder_start_token_id], result, start)
+
+    def _stream(
+        self, prompts, *, speculative, batch_size, max_tokens, sampling, seed, name_prompts
+    ) -> Iterator[tuple[int, GenerationResult]]:
+        generator = self.batch_generator(speculative=speculative, max_batch_size=batch_size)
+        index = {}
+        for i, prompt in enumerate(prompts):
+            try:
+                uid = generator.insert(prompt, max_tokens=max_tokens, sampling=sampling, seed=seed)
+            except (TypeError, ValueError) as error:
+                if not name_prompts:
+                    raise
+                raise type(error)(f"prompt {i}: {error}") from None
+            index[uid] = i
+        return ((index[uid], result) for events in iter_rounds(generator) for uid, result in events)
 
     def stream(
-        self, prompt: str | Sequence[int], *, speculative: bool = True, **kwargs
+        self,
+        prompt: str | Sequence[int],
+        *,
+        speculative: bool = True,
+        max_tokens: int = 100,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
     ) -> Iterator[GenerationResult]:
         """Decode ``prompt`` and yield the running result after every
-        main-model pass: ``stream_batch`` with a batch of one. Takes its
-        keyword arguments: max_tokens, temp, top_p, top_k, seed."""
-        for _, result in self.stream_batch(
-            [prompt], speculative=speculative, batch_size=1, **kwargs
-        ):
-            yield result
+        main-model pass (a new object each time): a batch of one."""
+        events = self._stream(
+            [prompt],
+            speculative=speculative,
+            batch_size=1,
+            max_tokens=max_tokens,
+            sampling=Sampling(temp, top_p, top_k),
+            seed=seed,
+            name_prompts=False,
+        )
+        return (result for _, result in events)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
         """Regular decoding with the main model alone. Takes the keyword
@@ -522,6 +613,12 @@ class SpeculativeDecoder:
         return _finished(
             self.stream_batch(prompts, speculative=True, batch_size=batch_size, **kwargs)
         )
+
+
+def iter_rounds(generator: BatchGenerator) -> Iterator[list[tuple[int, GenerationResult]]]:
+    """The events of every round of ``generator`` until nothing decodes or waits."""
+    while len(generator):
+        yield generator.next()
 
 
 def _last(results: Iterator[GenerationResult]) -> GenerationResult:

@@ -19,7 +19,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,9 +27,7 @@ import blas  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from model import T5, DecoderCache
-
-if TYPE_CHECKING:
-    from decoder import Sampling
+from sampling import RowSampling, Sampling, split_keys
 
 # The most draft tokens "auto" proposes per round.
 MAX_AUTO_DRAFT = 16
@@ -88,18 +85,14 @@ class ModelDrafter:
 
     source = "model"
 
-    def __init__(self, model: T5, prompts: list[mx.array]):
+    def __init__(self, model: T5, prompts: list[list[int]]):
         self.model = model
-        self.cache = DecoderCache.join([self._prompt_cache(ids) for ids in prompts])
+        self.cache = model.prompt_cache(prompts)
         self.fed = 0  # draft tokens of the last proposal fed into the cache
 
-    def _prompt_cache(self, prompt_ids: mx.array) -> DecoderCache:
-        cache = self.model.make_cache(self.model.encode(prompt_ids))
-        mx.eval(cache.cross_keys_values)
-        return cache
-
-    def restart_row(self, row: int, prompt_ids: mx.array) -> None:
-        self.cache.restart_row(row, self._prompt_cache(prompt_ids))
+    def admit(self, rows: list[int], prompts: list[list[int]]) -> None:
+        """Give ``rows`` (restarted, or added past the batch) ``prompts``."""
+        self.cache.admit(rows, self.model.prompt_cache(prompts))
 
     def keep_rows(self, rows: list[int]) -> None:
         self.cache.keep_rows(rows)
@@ -107,20 +100,25 @@ class ModelDrafter:
     def propose(
         self,
         sequences: list[list[int]],
-        sampling: Sampling,
+        sampling: RowSampling,
         budget: Callable[[str], int],
         limits: list[int],
+        keys: mx.array | None = None,
     ) -> Draft | None:
         """``budget("model")`` tokens per row, at most ``limits[i]`` for row
         i, without waiting for them (the last one is not fed back); None
-        when no row gets any."""
+        when no row gets any. Row i's j-th token is drawn with the j-th key
+        split off ``keys[i]``, however many tokens the round drafts."""
         num_draft = min(budget(self.source), max(limits))
         if num_draft == 0:
             return None
         logits = decode_pending(self.model, self.cache, trim_to(self.cache, sequences))
         tokens, probs = [], []
         for step in range(num_draft):
-            token, token_probs = sampling.sample(logits)
+            step_keys = None
+            if keys is not None:
+                keys, step_keys = split_keys(keys, 2)
+            token, token_probs = sampling.sample(logits, step_keys)
             # Start computing this token while Python builds the next step's
             # graph; nothing waits for it until the round's single eval.
             mx.async_eval(token)
@@ -151,22 +149,19 @@ def mask_past_lengths(draft: Draft) -> Draft:
 
 
 def draft_token_time(
-    model: T5, prompt_ids: mx.array, batch_size: int, num_draft: int = 8, repeats: int = 3
+    model: T5, prompt_ids: list[int], batch_size: int, num_draft: int = 8, repeats: int = 3
 ) -> float:
     """Median seconds per token of a ``ModelDrafter`` proposing ``num_draft``
     tokens for ``batch_size`` rows after the start token as in a round,
     where each step's graph is built while the previous one computes
     (cheaper than one step timed alone)."""
-    from decoder import Sampling
-
     drafter = ModelDrafter(model, [prompt_ids] * batch_size)
     start = [[model.args.decoder_start_token_id]] * batch_size
+    greedy = RowSampling([Sampling()])
     times = []
     for _ in range(repeats):
         tic = time.perf_counter()
-        draft = drafter.propose(
-            start, Sampling(), lambda source: num_draft, [num_draft] * batch_size
-        )
+        draft = drafter.propose(start, greedy, lambda source: num_draft, [num_draft] * batch_size)
         mx.eval(draft.tokens)
         times.append((time.perf_counter() - tic) / num_draft)
     return statistics.median(times)
@@ -214,14 +209,17 @@ class PromptLookupDrafter:
     source = "lookup"
 
     def __init__(
-        self, prompts: list[mx.array], vocab_size: int, max_ngram: int, min_ngram: int = 1
+        self, prompts: list[list[int]], vocab_size: int, max_ngram: int, min_ngram: int = 1
     ):
-        self.prompts = [ids[0].tolist() for ids in prompts]
+        self.prompts = [list(ids) for ids in prompts]
         self.vocab_size = vocab_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def restart_row(self, row: int, prompt_ids: mx.array) -> None:
-        self.prompts[row] = prompt_ids[0].tolist()
+    def admit(self, rows: list[int], prompts: list[list[int]]) -> None:
+        """Give ``rows`` (restarted, or added past the batch) ``prompts``."""
+        self.prompts += [[]] * (max(rows) + 1 - len(self.prompts))
+        for row, ids in zip(rows, prompts, strict=True):
+            self.prompts[row] = list(ids)
 
     def keep_rows(self, rows: list[int]) -> None:
         self.prompts = [self.prompts[row] for row in rows]
@@ -229,9 +227,10 @@ class PromptLookupDrafter:
     def propose(
         self,
         sequences: list[list[int]],
-        sampling: Sampling,
+        sampling: RowSampling,
         budget: Callable[[str], int],
         limits: list[int],
+        keys: mx.array | None = None,
     ) -> Draft | None:
         """Up to ``budget("lookup")`` tokens per row, at most ``limits[i]``
         for row i; a row with no matching n-gram gets none. None when no
@@ -265,9 +264,10 @@ class HybridDrafter:
     def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
         self.lookup, self.model = lookup, model
 
-    def restart_row(self, row: int, prompt_ids: mx.array) -> None:
-        self.lookup.restart_row(row, prompt_ids)
-        self.model.restart_row(row, prompt_ids)
+    def admit(self, rows: list[int], prompts: list[list[int]]) -> None:
+        """Give ``rows`` (restarted, or added past the batch) ``prompts``."""
+        self.lookup.admit(rows, prompts)
+        self.model.admit(rows, prompts)
 
     def keep_rows(self, rows: list[int]) -> None:
         self.lookup.keep_rows(rows)
@@ -276,14 +276,15 @@ class HybridDrafter:
     def propose(
         self,
         sequences: list[list[int]],
-        sampling: Sampling,
+        sampling: RowSampling,
         budget: Callable[[str], int],
         limits: list[int],
+        keys: mx.array | None = None,
     ) -> Draft | None:
         looked_up = self.lookup.propose(sequences, sampling, budget, limits)
         if looked_up is not None and all(looked_up.lengths):
             return looked_up
-        modelled = self.model.propose(sequences, sampling, budget, limits)
+        modelled = self.model.propose(sequences, sampling, budget, limits, keys)
         if looked_up is None or modelled is None:
             return looked_up or modelled
         use_lookup = [n > 0 for n in looked_up.lengths]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -305,9 +306,16 @@ class KVCache:
             counts = [counts] * len(self.lengths)
         self.lengths = [max(0, n - c) for n, c in zip(self.lengths, counts, strict=True)]
 
-    def restart_row(self, row: int) -> None:
-        """Empty row ``row``, for a new prompt."""
-        self.lengths[row] = 0
+    def admit(self, rows: list[int]) -> None:
+        """Empty ``rows`` for new prompts; rows at or past the batch size are added."""
+        added = max(rows) + 1 - len(self.lengths)
+        if added > 0:
+            self.lengths += [0] * added
+            if self.keys is not None:
+                widths = [(0, added)] + [(0, 0)] * (self.keys.ndim - 1)
+                self.keys, self.values = mx.pad(self.keys, widths), mx.pad(self.values, widths)
+        for row in rows:
+            self.lengths[row] = 0
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows``, in that order."""
@@ -368,39 +376,29 @@ class DecoderCache:
         for cache in self.self_attn:
             cache.trim(counts)
 
-    @classmethod
-    def join(cls, caches: list[DecoderCache]) -> DecoderCache:
-        """One cache for the rows of fresh ``caches``, their prompts padded
-        to the longest."""
-        width = max(max(cache.prompt_lengths) for cache in caches)
-        cross = [
-            tuple(
-                mx.concatenate([pad_to(c.cross_keys_values[layer][i], width, 2) for c in caches])
-                for i in range(2)
-            )
-            for layer in range(len(caches[0].cross_keys_values))
-        ]
-        return cls(cross, [n for cache in caches for n in cache.prompt_lengths])
-
-    def restart_row(self, row: int, cache: DecoderCache) -> None:
-        """Give row ``row`` the prompt of the fresh one-row ``cache``, with
-        no decoder positions."""
-        (prompt_length,) = cache.prompt_lengths
-        width = max(self.cross_keys_values[0][0].shape[2], prompt_length)
+    def admit(self, rows: list[int], cache: DecoderCache) -> None:
+        """Give ``rows`` the prompts of the fresh ``cache`` (one row each, in
+        order), with no decoder positions; rows at or past the batch size are
+        added. A longer prompt widens every row's cross-attention."""
+        width = max(self.cross_keys_values[0][0].shape[2], max(cache.prompt_lengths))
+        batch_size = max(len(self.prompt_lengths), max(rows) + 1)
+        index = mx.array(rows)
         cross = []
-        for batch_kv, row_kv in zip(self.cross_keys_values, cache.cross_keys_values):
-            padded = []
-            for batch_array, row_array in zip(batch_kv, row_kv):
-                batch_array = pad_to(batch_array, width, 2)  # a longer prompt widens all rows
-                batch_array[row] = pad_to(row_array, width, 2)[0]
-                padded.append(batch_array)
-            cross.append(tuple(padded))
+        for batch_kv, new_kv in zip(self.cross_keys_values, cache.cross_keys_values):
+            arrays = []
+            for batch_array, new_array in zip(batch_kv, new_kv):
+                batch_array = pad_to(pad_to(batch_array, width, 2), batch_size, 0)
+                batch_array[index] = pad_to(new_array, width, 2)
+                arrays.append(batch_array)
+            cross.append(tuple(arrays))
         mx.eval(cross)
         self.cross_keys_values = cross
-        self.prompt_lengths[row] = prompt_length
+        self.prompt_lengths += [0] * (batch_size - len(self.prompt_lengths))
+        for row, length in zip(rows, cache.prompt_lengths, strict=True):
+            self.prompt_lengths[row] = length
         self._update_memory_mask()
         for layer_cache in self.self_attn:
-            layer_cache.restart_row(row)
+            layer_cache.admit(rows)
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows``, in that order."""
@@ -410,6 +408,11 @@ class DecoderCache:
         self._update_memory_mask()
         for cache in self.self_attn:
             cache.keep_rows(rows)
+
+
+# Prompts of a batch are encoded in one padded pass when the longest is at
+# most this many times the shortest: padding is work for nothing.
+ENCODE_TOGETHER_RATIO = 2
 
 
 class DecoderLayer(nn.Module):
@@ -499,6 +502,38 @@ class T5(nn.Module):
         batch, length, _ = memory.shape
         prompt_lengths = [length] * batch if mask is None else mask.sum(axis=1).tolist()
         return DecoderCache(cross, prompt_lengths)
+
+    def prompt_cache(self, prompts: Sequence[Sequence[int]]) -> DecoderCache:
+        """A fresh decoder cache for ``prompts`` (token ids), one row each in
+        order. Prompts of similar lengths are encoded in one pass, right-padded
+        to the longest with the padding masked. Computed here, so that prompt
+        processing ends when it returns."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        groups = [[order[0]]]
+        for i in order[1:]:
+            if len(prompts[i]) > ENCODE_TOGETHER_RATIO * len(prompts[groups[-1][0]]):
+                groups.append([])
+            groups[-1].append(i)
+        cache = self._encoded([prompts[i] for i in groups[0]])
+        for group in groups[1:]:
+            size = len(cache.prompt_lengths)
+            cache.admit(
+                list(range(size, size + len(group))), self._encoded([prompts[i] for i in group])
+            )
+        if order != sorted(order):  # rows in the order of ``prompts``
+            cache.keep_rows([order.index(i) for i in range(len(prompts))])
+        mx.eval(cache.cross_keys_values)
+        return cache
+
+    def _encoded(self, prompts: Sequence[Sequence[int]]) -> DecoderCache:
+        """A fresh decoder cache for ``prompts``, encoded in one padded pass."""
+        width = max(map(len, prompts))
+        pad = [self.args.pad_token_id]
+        inputs = mx.array([list(ids) + pad * (width - len(ids)) for ids in prompts])
+        mask = None
+        if any(len(ids) < width for ids in prompts):
+            mask = mx.arange(width) < mx.array([len(ids) for ids in prompts])[:, None]
+        return self.make_cache(self.encode(inputs, mask), mask)
 
     def decode(self, decoder_inputs: mx.array, cache: DecoderCache) -> mx.array:
         """Logits [B, T, vocab] for the next token after each of the T new

@@ -20,8 +20,9 @@ from test_sampling_distribution import (
     exact_distribution,
 )
 
-from decoder import Sampling, SpeculativeDecoder
+from decoder import SpeculativeDecoder
 from model import DecoderCache, KVCache
+from sampling import Sampling
 
 # Prompts of very different lengths (3 to about 160 tokens).
 PROMPTS = [
@@ -174,7 +175,7 @@ def batch_logits_and_alone(model, prompts: list[list[int]], rounds: list[list[li
     """Decode ``rounds`` (per round, per row: tokens fed, then how many to
     trim, as the last entry) in one padded batch and each row alone; return
     the last round's logits of both, [B, T, vocab]."""
-    batch = DecoderCache.join([model.make_cache(model.encode(mx.array([p]))) for p in prompts])
+    batch = model.prompt_cache(prompts)
     alone = [model.make_cache(model.encode(mx.array([p]))) for p in prompts]
     for round_ in rounds:
         tokens = mx.array([row[:-1] for row in round_])
@@ -187,14 +188,16 @@ def batch_logits_and_alone(model, prompts: list[list[int]], rounds: list[list[li
     return np.array(batch_logits), np.array(mx.concatenate(alone_logits))
 
 
-def test_padded_batch_logits_equal_each_row_alone(decoding_pair):
+@pytest.mark.parametrize("lengths", [(2, 39, 8), (9, 16, 12)])
+def test_padded_batch_logits_equal_each_row_alone(lengths, decoding_pair):
     """After rounds that leave the rows at different lengths, a padded batch
-    (prompts of 3, 40 and 9 tokens) scores each row as that row alone, to
-    float32 rounding."""
+    scores each row as that row alone, to float32 rounding: prompts of 3, 40
+    and 9 tokens (encoded apart, their cross-attention padded) and of 10, 17
+    and 13 tokens (encoded together, padded)."""
     model = decoding_pair[0]
     rng = np.random.default_rng(0)
     vocab = model.args.vocab_size
-    prompts = [rng.integers(2, vocab, n).tolist() + [1] for n in (2, 39, 8)]
+    prompts = [rng.integers(2, vocab, n).tolist() + [1] for n in lengths]
     rounds = []
     for trims in ([0, 3, 1], [2, 0, 3], [3, 1, 0], [0, 0, 0]):
         rounds.append([[0] + rng.integers(2, vocab, 3).tolist() + [trim] for trim in trims])
@@ -204,25 +207,26 @@ def test_padded_batch_logits_equal_each_row_alone(decoding_pair):
     assert len(set(alone.argmax(-1).ravel().tolist())) > 3  # not a degenerate fixture
 
 
-def test_restarted_and_kept_rows_score_as_alone(decoding_pair):
-    """A row restarted with a longer prompt, then the batch cut to two rows
-    in another order: each row still scores as if decoded alone."""
+def test_admitted_and_kept_rows_score_as_alone(decoding_pair):
+    """Row 1 restarted with a longer prompt and a fourth row added in the
+    same admission, then the batch cut to three rows in another order: each
+    row still scores as if decoded alone."""
     model = decoding_pair[0]
     rng = np.random.default_rng(1)
     vocab = model.args.vocab_size
     prompts = [rng.integers(2, vocab, n).tolist() + [1] for n in (5, 12, 7)]
-    caches = [model.make_cache(model.encode(mx.array([p]))) for p in prompts]
-    batch = DecoderCache.join(caches)
+    batch = model.prompt_cache(prompts)
     model.decode(mx.array([[0, 5, 6], [0, 7, 8], [0, 9, 10]]), batch)
     batch.trim([1, 0, 2])
-    longer = rng.integers(2, vocab, 30).tolist() + [1]
-    batch.restart_row(1, model.make_cache(model.encode(mx.array([longer]))))
-    batch.keep_rows([2, 1])
-    # Row 0 is the third prompt with [0] cached; row 1 the new prompt, empty.
-    logits = model.decode(mx.array([[9, 11], [0, 12]]), batch)
+    longer, added = (rng.integers(2, vocab, n).tolist() + [1] for n in (30, 20))
+    batch.admit([1, 3], model.prompt_cache([longer, added]))
+    batch.keep_rows([2, 1, 3])
+    # Row 0 is the third prompt with [0] cached; rows 1 and 2 the new prompts, empty.
+    logits = model.decode(mx.array([[9, 11], [0, 12], [0, 13]]), batch)
     expected = [
         model(mx.array([prompts[2]]), mx.array([[0, 9, 11]]))[:, 1:],
         model(mx.array([longer]), mx.array([[0, 12]])),
+        model(mx.array([added]), mx.array([[0, 13]])),
     ]
     for row, reference in enumerate(expected):
         reference = np.array(reference)
@@ -237,8 +241,10 @@ def sample_rows(decoder, prompt=PROMPT, copies=RUNS) -> list[tuple]:
     prompts = []
     for i in range(copies):
         prompts += [prompt] if i % 2 else [prompt, others[i // 2 % len(others)]]
+    # No seed: a seed would give every copy of the prompt the same random numbers.
+    mx.random.seed(0)
     results = decoder.speculative_decode_batch(
-        prompts, batch_size=16, max_tokens=MAX_TOKENS, temp=TEMP, seed=0
+        prompts, batch_size=16, max_tokens=MAX_TOKENS, temp=TEMP
     )
     return [tuple(r.tokens[:2]) for p, r in zip(prompts, results) if p == prompt]
 

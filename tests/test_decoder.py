@@ -12,14 +12,12 @@ from fixtures import load_hf, train_tokenizer
 
 from decoder import (
     IncompatibleDraftError,
-    Sampling,
     SpeculativeDecoder,
     check_draft_compatible,
     check_draft_directories,
-    verify,
 )
 from drafting import trim_to
-from model import DecoderCache
+from sampling import Sampling, verify
 
 PROMPTS = [
     "translate English to German: the house is small and the garden is green.",
@@ -278,8 +276,7 @@ def test_bad_decoder_arguments_are_refused(decoding_pair):
 
 def test_trim_to_keeps_the_accepted_prefix_of_each_row_and_returns_the_rest(decoding_pair):
     model = decoding_pair[0]
-    prompts = [model.make_cache(model.encode(mx.array([p]))) for p in ([5, 6, 7, 1], [8, 1])]
-    cache = DecoderCache.join(prompts)
+    cache = model.prompt_cache([[5, 6, 7, 1], [8, 1]])
     model.decode(mx.array([[0, 11, 12, 13, 14], [0, 31, 32, 33, 34]]), cache)
     # Row 0 accepted start, 11, 12, then a replacement 20: positions for 13
     # and 14 go, 20 is the next input. Row 1 accepted everything and one more.

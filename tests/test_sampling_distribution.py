@@ -18,7 +18,8 @@ from fixtures import cheap_drafts
 from scipy.stats import chisquare
 
 import decoder as decoder_module
-from decoder import Sampling, SpeculativeDecoder
+from decoder import SpeculativeDecoder
+from sampling import Sampling
 
 PROMPT = "translate English to German: the old man walks to the market."
 RUNS = 2000
@@ -123,14 +124,16 @@ def miswritten_verify(rule: str):
     """``decoder.verify`` with one deliberate mistake, for the power checks."""
     correct = decoder_module.verify
 
-    def verify(draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths=None):
-        arguments = draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths
+    def verify(
+        draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths=None, keys=None
+    ):
+        arguments = draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths, keys
         if draft_tokens.shape[1] == 0:  # no draft tokens: nothing to get wrong
             return correct(*arguments)
         if rule == "wrong prefix":
             # Off by one: x_i judged by the main model's distribution after x_i.
             shifted = mx.concatenate([main_logits[:, 1:], main_logits[:, -1:]], axis=1)
-            return correct(draft_tokens, draft_probs, shifted, sampling, delta, draft_lengths)
+            return correct(draft_tokens, draft_probs, shifted, sampling, delta, draft_lengths, keys)
         batch_size, num_draft = draft_tokens.shape
         probs = sampling.probabilities(main_logits)
         p = mx.take_along_axis(probs[:, :num_draft], draft_tokens[..., None], axis=-1)[..., 0]
@@ -233,15 +236,21 @@ def miswritten_point_mass_rule(rule: str):
     """``decoder.verify`` with a wrong rule for lookup drafts (one-hot q)."""
     correct = decoder_module.verify
 
-    def verify(draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths=None):
+    def verify(
+        draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths=None, keys=None
+    ):
         if draft_tokens.shape[1] == 0:
-            return correct(draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths)
+            return correct(
+                draft_tokens, draft_probs, main_logits, sampling, delta, draft_lengths, keys
+            )
         if rule == "always accept":
-            return correct(draft_tokens, draft_probs, main_logits, sampling, 1.0, draft_lengths)
+            return correct(
+                draft_tokens, draft_probs, main_logits, sampling, 1.0, draft_lengths, keys
+            )
         # "uniform q": the model-draft rule, as if the lookup token had been
         # drawn from the uniform distribution.
         uniform = mx.full(draft_probs.shape, 1 / draft_probs.shape[-1])
-        return correct(draft_tokens, uniform, main_logits, sampling, delta, draft_lengths)
+        return correct(draft_tokens, uniform, main_logits, sampling, delta, draft_lengths, keys)
 
     return verify
 
