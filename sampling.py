@@ -66,21 +66,41 @@ def row_key(seed: int | None) -> mx.array:
     return mx.random.key(seed)
 
 
+def position_keys(keys: mx.array, num: int) -> mx.array:
+    """A key [B, num, 2] per row and position, split off each row's key in
+    ``keys`` [B, 2] one after another, so that position j gets the same key
+    however many positions a round has."""
+    chain = []
+    for _ in range(num):
+        keys, key = split_keys(keys, 2)
+        chain.append(key)
+    return mx.stack(chain, axis=1)
+
+
+def _per_key(draw, keys: mx.array):
+    """``draw(key, ...)`` mapped over every key of ``keys`` [..., 2]."""
+    for _ in range(keys.ndim - 1):
+        draw = mx.vmap(draw)
+    return draw
+
+
 def uniform(keys: mx.array | None, shape: tuple[int, ...]) -> mx.array:
-    """Uniform numbers in [0, 1) of ``shape`` [B, ...], row i drawn with
-    ``keys[i]`` (None: the global random state)."""
+    """Uniform numbers in [0, 1) of ``shape``, each drawn with its own key of
+    ``keys`` [*shape, 2] (None: from the global random state)."""
     if keys is None:
         return mx.random.uniform(shape=shape)
-    return mx.vmap(lambda key: mx.random.uniform(shape=shape[1:], key=key))(keys)
+    return _per_key(lambda key: mx.random.uniform(key=key), keys)(keys)
 
 
 def categorical(keys: mx.array | None, probs: mx.array) -> mx.array:
-    """One index per distribution over the last axis of ``probs`` [B, ...],
-    row i drawn with ``keys[i]`` (None: the global random state)."""
+    """One index per distribution over the last axis of ``probs`` [..., V],
+    each drawn with its own key of ``keys`` [..., 2] (None: the global
+    random state)."""
     log_probs = mx.log(probs)
     if keys is None:
         return mx.random.categorical(log_probs)
-    return mx.vmap(lambda key, row: mx.random.categorical(row, key=key))(keys, log_probs)
+    draw = _per_key(lambda key, row: mx.random.categorical(row, key=key), keys)
+    return draw(keys, log_probs)
 
 
 class RowSampling:
@@ -143,9 +163,9 @@ class RowSampling:
     def sample(
         self, logits: mx.array, keys: mx.array | None = None
     ) -> tuple[mx.array, mx.array | None]:
-        """One token per distribution in ``logits`` [B, ..., vocabulary], row i
-        drawn with ``keys[i]`` (None: the global random state), and the
-        distributions drawn from (None when every row is greedy)."""
+        """One token per distribution in ``logits`` [B, ..., vocabulary], each
+        drawn with its key in ``keys`` [B, ..., 2] (None: the global random
+        state), and the distributions drawn from (None when every row is greedy)."""
         if self.greedy:
             return mx.argmax(logits, axis=-1), None
         probs = self.probabilities(logits)
@@ -168,8 +188,8 @@ def verify(
     (default: all g). ``main_logits`` is [B, g + 1, vocabulary]: position j
     scores the position of draft token j, position g the one after all of
     them. ``sampling`` is one setting for every row or one per row; row i
-    draws its random numbers with ``keys[i]`` (None: the global random
-    state). Returns ``(num_accepted, next_token)``, each [B].
+    draws its random numbers from ``keys[i]``, a key per position (None: the
+    global random state). Returns ``(num_accepted, next_token)``, each [B].
 
     Sampling (temp > 0): x_i is accepted when ``u * (1 - delta) * q(x) <= p(x)``
     with u uniform in (0, 1]; for delta = 0 that is probability min(1, p/q),
@@ -183,9 +203,14 @@ def verify(
     """
     batch_size, num_draft = draft_tokens.shape
     sampling = RowSampling.of(sampling)
-    acceptance_keys, candidate_keys = (None, None) if keys is None else split_keys(keys, 2)
+    acceptance_keys = candidate_keys = None
+    if keys is not None and not sampling.greedy:
+        # A key per position: a row draws what it would draw in a round of another length.
+        acceptance, candidate = split_keys(keys, 2)
+        acceptance_keys = position_keys(acceptance, num_draft) if num_draft else None
+        candidate_keys = position_keys(candidate, num_draft + 1)
     if num_draft == 0:  # nothing to verify: an ordinary decoding step
-        return mx.zeros(batch_size, mx.int32), sampling.sample(main_logits[:, 0], candidate_keys)[0]
+        return mx.zeros(batch_size, mx.int32), sampling.sample(main_logits, candidate_keys)[0][:, 0]
     if not sampling.greedy:
         probs = sampling.probabilities(main_logits)
         p = mx.take_along_axis(probs[:, :num_draft], draft_tokens[..., None], axis=-1)[..., 0]

@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     print(describe_machine(machine))
     print(format_table(rows, COLUMNS))
     configure(decoder, draft_model, args.prompt_lookup, Mode("hybrid", "auto", 0.0))
-    draft_costs, verify_costs = decoder.measure_costs(prompt_ids)
+    draft_costs, verify_costs = decoder.measure_costs(prompt_ids[0].tolist())
     extra = {
         "model": str(model_path),
         "draft_model": str(draft_path),

@@ -29,11 +29,17 @@ class CopyingModel:
     fifth the model chooses alone. Its output copies long spans of the
     prompt but not all of it, as a restoring or correcting model does. It
     never ends a sequence, so every run fills max_tokens. The decoder sees
-    only ``args``, ``encode``, ``make_cache`` and ``decode``."""
+    only ``args``, ``prompt_cache``, ``decode`` and (measuring costs for
+    auto) ``encode`` and ``make_cache``; one prompt at a time."""
 
     def __init__(self, model):
         self.model = model
         self.args = model.args
+
+    def prompt_cache(self, prompts: list[list[int]]):
+        (prompt,) = prompts
+        self.source = mx.array(prompt[:-1])  # the prompt without its end of sequence
+        return self.model.prompt_cache(prompts)
 
     def encode(self, prompt_ids: mx.array) -> mx.array:
         self.source = prompt_ids[0, :-1]  # the prompt without its end of sequence

@@ -1,0 +1,166 @@
+"""The batch generator: prompts join a running batch and leave it (finished
+or cancelled) without changing any other row; each row samples with its own
+settings and its own random stream, so a seeded prompt gets the text it gets
+alone; events are snapshots; bad prompts are named by their index."""
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from test_batch import PROMPTS
+from test_sampling_distribution import (
+    MAX_TOKENS,
+    NUM_DRAFT,
+    PROMPT,
+    RUNS,
+    TEMP,
+    chi_square_p_value,
+    exact_distribution,
+)
+
+from decoder import SpeculativeDecoder
+from sampling import RowSampling, Sampling
+
+MAX_NEW = 12
+SAMPLED = Sampling(temp=0.8)
+
+
+def drain(generator) -> dict[int, object]:
+    """Run ``generator`` to the end; the last result of every uid."""
+    last = {}
+    while len(generator):
+        for uid, result in generator.next():
+            last[uid] = result
+    return last
+
+
+def test_events_are_snapshots(decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
+    events = list(decoder.stream_batch(PROMPTS[:3], batch_size=2, max_tokens=4))
+    assert sum(result.finished for _, result in events) == 3
+    for index in range(3):
+        lengths = [len(r.tokens) for i, r in events if i == index]
+        assert len(lengths) > 1 and lengths == sorted(lengths)
+        assert lengths[0] < lengths[-1]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "error", "message"),
+    [
+        (["a", ""], ValueError, "prompt 1: the prompt is empty"),
+        (["a", "b", None], TypeError, "prompt 2: a prompt must be a string or a sequence"),
+        ([[5, 6], [5, 10**6]], ValueError, "prompt 1: token id 1000000 is outside the vocabulary"),
+        ([[5, 6], [5, 1.5]], TypeError, "prompt 1: a prompt must be"),
+    ],
+)
+def test_a_bad_prompt_is_named_by_its_index(prompts, error, message, decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair)
+    with pytest.raises(error, match=message):
+        decoder.generate_batch(prompts)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_draft": 3},
+        {"num_draft": 3, "draft_model": None, "prompt_lookup": 2},
+        {"speculative": False},
+    ],
+    ids=["draft model", "prompt lookup", "regular"],
+)
+def test_a_seeded_prompt_gets_its_text_alone_at_any_batch_size_and_place(options, decoding_pair):
+    model, draft_model, tokenizer = decoding_pair
+    options = dict(options)
+    speculative = options.pop("speculative", True)
+    decoder = SpeculativeDecoder(
+        model, options.pop("draft_model", draft_model), tokenizer, **options
+    )
+    sampling = {"max_tokens": MAX_NEW, "temp": SAMPLED.temp, "seed": 5}
+    prompts = PROMPTS[:6]
+    alone = [decoder.stream(p, speculative=speculative, **sampling) for p in prompts]
+    alone = [list(events)[-1].tokens for events in alone]
+    for batch_size, order in ((4, prompts), (6, prompts[::-1]), (1, prompts[1:] + prompts[:1])):
+        results = decoder.stream_batch(
+            order, speculative=speculative, batch_size=batch_size, **sampling
+        )
+        texts = {order[i]: r.tokens for i, r in results if r.finished}
+        assert [texts[p] for p in prompts] == alone, f"batch size {batch_size}"
+    other_seed = [
+        decoder.speculative_decode(p, **{**sampling, "seed": 6}).tokens for p in prompts[:3]
+    ]
+    assert other_seed != alone[:3]  # the seed matters: the check is not vacuous
+
+
+def test_greedy_rows_among_sampled_rows_are_greedy(decoding_pair):
+    """Greedy and sampled rows share every pass; each keeps its own rule."""
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=3)
+    generator = decoder.batch_generator(max_batch_size=8)
+    greedy, sampled = {}, []
+    for i, prompt in enumerate(PROMPTS[:8]):
+        if i % 2:
+            greedy[generator.insert(prompt, max_tokens=MAX_NEW)] = prompt
+        else:
+            sampled.append(generator.insert(prompt, max_tokens=MAX_NEW, sampling=Sampling(1.5)))
+    results = drain(generator)
+    for uid, prompt in greedy.items():
+        assert results[uid].tokens == decoder.generate(prompt, max_tokens=MAX_NEW).tokens
+    assert sum(results[uid].n_rejected for uid in sampled) > 0  # the sampled rows did sample
+
+
+def test_prompts_join_and_leave_a_running_batch(decoding_pair):
+    """Prompts inserted between rounds and a cancelled row change nothing
+    in the other rows; the cancelled row yields nothing more and its place
+    is freed."""
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
+    generator = decoder.batch_generator(max_batch_size=3)
+    prompts = {generator.insert(p, max_tokens=MAX_NEW): p for p in PROMPTS[:2]}
+    last = {}
+    for uid, result in generator.next():
+        last[uid] = result
+    cancelled = generator.insert(PROMPTS[2], max_tokens=MAX_NEW)
+    prompts |= {generator.insert(p, max_tokens=MAX_NEW): p for p in PROMPTS[3:6]}
+    generator.next()  # the cancelled prompt joined the batch
+    assert any(row is not None and row.uid == cancelled for row in generator.rows)
+    before = len(generator)
+    generator.cancel(cancelled)
+    assert len(generator) == before - 1
+    events = generator.next()
+    assert cancelled not in {uid for uid, _ in events}
+    assert all(row is None or row.uid != cancelled for row in generator.rows)
+    last |= dict(events) | drain(generator)
+    assert cancelled not in last
+    for uid, prompt in prompts.items():
+        assert last[uid].tokens == decoder.generate(prompt, max_tokens=MAX_NEW).tokens, prompt
+    assert not generator.rows and generator.main_cache is None  # an idle generator holds nothing
+
+
+def test_a_rows_samples_follow_the_main_model_among_other_settings(decoding_pair):
+    """Rows of PROMPT at TEMP share batches with greedy rows and rows at
+    other temperatures, top-p and top-k: their first two tokens follow the
+    main model's distribution at TEMP."""
+    model, draft_model, tokenizer = decoding_pair
+    decoder = SpeculativeDecoder(model, draft_model, tokenizer, num_draft=NUM_DRAFT)
+    others = [Sampling(), Sampling(1.5), Sampling(0.7, top_p=0.8), Sampling(1.0, top_k=3)]
+    generator = decoder.batch_generator(max_batch_size=16)
+    mx.random.seed(0)
+    mine = []
+    for i in range(RUNS):
+        mine.append(generator.insert(PROMPT, max_tokens=MAX_TOKENS, sampling=Sampling(TEMP)))
+        if i % 2:
+            setting = others[i // 2 % len(others)]
+            generator.insert(PROMPTS[i % 5], max_tokens=MAX_TOKENS, sampling=setting)
+    results = drain(generator)
+    counts = Counter(tuple(results[uid].tokens[:2]) for uid in mine)
+    prompt_ids = mx.array([tokenizer(PROMPT).input_ids])
+    distribution = exact_distribution(model, prompt_ids, Sampling(temp=TEMP))
+    assert chi_square_p_value(counts, distribution) > 1e-3
+
+
+def test_row_sampling_applies_each_rows_setting():
+    """Each row of a mixed batch gets the distribution its own setting gives alone."""
+    logits = mx.random.normal((4, 3, 50), key=mx.random.key(0)) * 3
+    settings = [Sampling(), Sampling(0.5, top_k=5), Sampling(2.0, top_p=0.6), Sampling(1.0)]
+    mixed = RowSampling(settings).probabilities(logits)
+    for row, setting in enumerate(settings):
+        alone = setting.probabilities(logits[row : row + 1])
+        assert mx.allclose(mixed[row : row + 1], alone, atol=1e-6).item(), setting
