@@ -164,7 +164,6 @@ class Row:
     result: GenerationResult | None = None  # set when the row joins the batch
     key: mx.array | None = None  # its stream of random numbers, from the seed
     start: float = 0.0  # time.perf_counter() when its prompt processing began
-    cancelled: bool = False
 
 
 GREEDY = Sampling()
@@ -202,7 +201,7 @@ class BatchGenerator:
 
     def __len__(self) -> int:
         """Prompts decoding or waiting."""
-        return len(self.waiting) + sum(row is not None and not row.cancelled for row in self.rows)
+        return len(self.waiting) + sum(row is not None for row in self.rows)
 
     def insert(
         self,
@@ -224,14 +223,18 @@ class BatchGenerator:
         return row.uid
 
     def cancel(self, uid: int) -> None:
-        """Stop decoding ``uid``: it leaves the queue, or frees its row at the next round."""
+        """Stop decoding ``uid``: it leaves the queue, or its row is freed
+        (for a waiting prompt to take, or dropped from the caches)."""
         for row in self.waiting:
             if row.uid == uid:
                 self.waiting.remove(row)
                 return
-        for row in self.rows:
+        for i, row in enumerate(self.rows):
             if row is not None and row.uid == uid:
-                row.cancelled = True
+                self.rows[i] = None
+                if not self.waiting:
+                    self._drop_free_rows()
+                return
 
     def next(self) -> list[tuple[int, GenerationResult]]:
         """Run one round over every row and return ``(uid, result)`` for each:
@@ -326,9 +329,6 @@ class BatchGenerator:
     def _admit(self) -> None:
         """Let waiting prompts take free rows, then new ones up to
         ``max_batch_size``; encode them together."""
-        for i, row in enumerate(self.rows):
-            if row is not None and row.cancelled:
-                self.rows[i] = None
         free = self.rows.count(None)
         capacity = free + self.max_batch_size - len(self.rows)
         joining = [self.waiting.popleft() for _ in range(min(capacity, len(self.waiting)))]

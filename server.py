@@ -1,0 +1,745 @@
+"""Serve a T5 model over HTTP with OpenAI's completions API: concurrent
+requests share one batch, decoded speculatively and exactly.
+
+python server.py --model-name t5-large --draft-model-name t5-small --num-draft auto
+curl http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' \\
+     -d '{"prompt": "translate English to German: Thank you.", "max_tokens": 20}'
+
+One thread owns MLX, the models and the batch (``decoder.BatchGenerator``):
+requests reach it as commands on a queue, join the running batch at its
+next round, and get their tokens as soon as a round accepts them. The HTTP
+side (Starlette on uvicorn) never touches MLX. docs/serving.md has the API,
+the limits and what seeds promise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cli import (
+    NON_NEGATIVE,
+    POSITIVE,
+    SEEDS,
+    ArgumentParser,
+    checked,
+    is_seed,
+    num_draft,
+    quiet_transformers,
+    resolve_model,
+)
+
+API_KEY_VARIABLE = "T5_SERVER_API_KEY"
+# The most stop strings a request may give, as OpenAI allows.
+MAX_STOP_STRINGS = 4
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        description="Serve a T5 model with OpenAI's /v1/completions API, speculatively."
+    )
+    add = parser.add_argument
+    add("--model-name", default="t5-11b", help="main model: converted name or directory")
+    add(
+        "--draft-model-name",
+        default="t5-small",
+        help="draft model: converted name or directory; none: no draft model",
+    )
+    add("--num-draft", type=num_draft, default="auto", help="draft tokens per pass, or auto")
+    add(
+        "--prompt-lookup",
+        type=NON_NEGATIVE,
+        default=0,
+        help="draft from n-grams up to N tokens long found in the prompt or output (0: off)",
+    )
+    add(
+        "--delta",
+        type=checked(float, lambda d: 0 <= d <= 1, "in [0, 1]"),
+        default=0.0,
+        help="acceptance relaxation in [0, 1]: 0 is exact",
+    )
+    add("--regular-decode", action="store_true", help="decode with the main model alone")
+    add("--max-batch-size", type=POSITIVE, default=8, help="rows decoded together")
+    add(
+        "--max-waiting",
+        type=NON_NEGATIVE,
+        default=64,
+        help="prompts that may wait for a row; more get 429 Too Many Requests",
+    )
+    add("--max-tokens-limit", type=POSITIVE, default=512, help="the largest max_tokens accepted")
+    add(
+        "--max-prompt-tokens",
+        type=POSITIVE,
+        help="the longest prompt accepted, in tokens (default: the longest that fits in "
+        "memory with a full batch)",
+    )
+    add("--max-body-bytes", type=POSITIVE, default=1_000_000, help="largest request body")
+    add("--host", default="127.0.0.1", help="address to listen on")
+    add("--port", type=checked(int, lambda p: 0 <= p < 65536, "a port"), default=8080)
+    add(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE} if set)",
+    )
+    add(
+        "--shutdown-timeout",
+        type=checked(float, lambda s: s >= 0, ">= 0"),
+        default=30.0,
+        help="seconds running requests may take to finish after SIGINT/SIGTERM",
+    )
+    add("--quiet", action="store_true", help="no access log")
+    return parser
+
+
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+        }
+
+
+@dataclass
+class Settings:
+    """What a completion request asks for, checked."""
+
+    prompts: list[str]
+    max_tokens: int = 100
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+
+
+def _number(body: dict, name: str, default, kind: type, valid, requirement: str):
+    """``body[name]`` (``default`` when absent or null), a ``kind`` number
+    satisfying ``valid``; ``RequestError`` otherwise."""
+    value = body.get(name)
+    if value is None:
+        return default
+    is_number = isinstance(value, int if kind is int else (int, float))
+    if isinstance(value, bool) or not is_number or not math.isfinite(value) or not valid(value):
+        raise RequestError(400, f"{name} must be {requirement}, got {json.dumps(value)}", name)
+    return kind(value)
+
+
+def parse_completion(body: object, max_tokens_limit: int) -> Settings:
+    """The ``Settings`` of a /v1/completions body; ``RequestError`` (400) for
+    anything malformed, out of range or unsupported."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the body must be a JSON object")
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise RequestError(400, "prompt must be a string or a list of strings", "prompt")
+    if not prompts:
+        raise RequestError(400, "prompt is an empty list", "prompt")
+    for i, text in enumerate(prompts):
+        if not text.strip():
+            where = "prompt" if isinstance(prompt, str) else f"prompt {i}"
+            raise RequestError(400, f"{where} is empty", "prompt")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise RequestError(400, "stop must be a non-empty string or a list of them", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(400, f"stop takes at most {MAX_STOP_STRINGS} strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(400, "stream must be true or false", "stream")
+    for name, plain in (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None)):
+        if body.get(name, plain) not in (plain, None):
+            hint = "; send a list of prompts for several completions" if name == "n" else ""
+            raise RequestError(400, f"{name} is not supported{hint}", name)
+    limit = max_tokens_limit
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not is_seed(seed)):
+        raise RequestError(400, f"seed must be {SEEDS}, got {json.dumps(seed)}", "seed")
+    return Settings(
+        prompts=prompts,
+        max_tokens=_number(
+            body,
+            "max_tokens",
+            min(Settings.max_tokens, limit),
+            int,
+            lambda n: 1 <= n <= limit,
+            f"an integer in [1, {limit}]",
+        ),
+        temperature=_number(body, "temperature", 0.0, float, lambda t: t >= 0, "a number >= 0"),
+        top_p=_number(body, "top_p", 1.0, float, lambda p: 0 < p <= 1, "a number in (0, 1]"),
+        top_k=_number(body, "top_k", 0, int, lambda k: k >= 0, "an integer >= 0"),
+        seed=seed,
+        stop=stop,
+        stream=stream,
+    )
+
+
+@dataclass
+class Choice:
+    """One prompt of a request: its row's latest result, with stop strings applied."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    result: object = None  # the row's latest decoder.GenerationResult
+
+
+class Job:
+    """A request inside the server: its settings, its choices, and the
+    asyncio queue its handler reads what the decoding thread sends."""
+
+    def __init__(self, settings: Settings, loop: asyncio.AbstractEventLoop):
+        self.settings = settings
+        self.loop = loop
+        self.messages: asyncio.Queue = asyncio.Queue()
+        self.choices = [Choice() for _ in settings.prompts]
+        self.uids: dict[int, int] = {}  # row uid -> choice index
+        self.done = False
+
+    def send(self, message: tuple) -> None:
+        """Hand ``message`` to the handler, from the decoding thread."""
+        self.loop.call_soon_threadsafe(self.messages.put_nowait, message)
+
+    def update(self, index: int, result) -> bool:
+        """Take a row's new result into choice ``index``; whether the row
+        should stop (a stop string appeared)."""
+        choice = self.choices[index]
+        choice.result, text = result, result.text
+        stops = [text.find(s) for s in self.settings.stop if s in text]
+        if stops:
+            choice.text, choice.finish_reason = text[: min(stops)], "stop"
+            return True
+        choice.text = text
+        if result.finished:
+            ended = len(result.tokens) < self.settings.max_tokens
+            choice.finish_reason = "stop" if ended else "length"
+        return False
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finish_reason for choice in self.choices)
+
+
+class Engine:
+    """The decoding thread: it alone calls MLX. Handlers ``submit`` and
+    ``cancel`` jobs; the thread admits their prompts into the batch between
+    rounds and sends each job ("accepted",), ("progress",) after every round
+    that changed it, then ("done",) or ("error", RequestError)."""
+
+    def __init__(
+        self,
+        decoder,
+        *,
+        speculative: bool,
+        max_batch_size: int,
+        max_waiting: int,
+        max_prompt_tokens: int,
+    ):
+        self.decoder = decoder
+        self.speculative = speculative
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self.max_prompt_tokens = max_prompt_tokens
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.in_transit = 0  # prompts submitted that the thread has not taken yet
+        self.counters = dict.fromkeys(
+            ("requests", "completed", "cancelled", "errors", "active", "waiting"), 0
+        )
+        self.thread = threading.Thread(target=self._run, name="decoding", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.commands.put(("stop", None))
+        self.thread.join()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; ``RequestError`` (429) when too many prompts wait."""
+        with self.lock:
+            waiting = self.in_transit + self.counters["waiting"]
+            if (
+                waiting + len(job.settings.prompts)
+                > self.max_waiting + self.max_batch_size - self.counters["active"]
+            ):
+                raise RequestError(
+                    429, "too many requests are waiting; retry later", kind="rate_limit_error"
+                )
+            self.in_transit += len(job.settings.prompts)
+            self.counters["requests"] += 1
+        self.commands.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        """Stop decoding ``job`` (its client left): its rows free at the next round."""
+        self.commands.put(("cancel", job))
+
+    def health(self) -> dict:
+        with self.lock:
+            return {"status": "ok", **self.counters}
+
+    def _run(self) -> None:
+        import mlx.core as mx
+
+        # MLX's random state is per thread and starts the same in every new one.
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+        generator = self._new_generator()
+        jobs: dict[int, Job] = {}  # row uid -> job
+        while True:
+            # Wait for work when idle; otherwise take what came during the round.
+            block = len(generator) == 0
+            try:
+                command, job = self.commands.get(block=block)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if command == "stop":
+                    return
+                if command == "submit":
+                    self._admit(generator, job, jobs)
+                elif command == "cancel":
+                    self._cancel(generator, job, jobs)
+                try:
+                    command, job = self.commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if not len(generator):
+                self._count(generator)
+                continue
+            try:
+                events = generator.next()
+            except Exception as error:  # noqa: BLE001 - the server must go on serving
+                reason = " ".join(f"{type(error).__name__}: {error}".split())
+                failed = {id(job): job for job in jobs.values()}.values()
+                for job in failed:
+                    job.send(("error", RequestError(500, f"decoding failed: {reason}")))
+                with self.lock:
+                    self.counters["errors"] += len(failed)
+                jobs.clear()
+                generator = self._new_generator()
+                self._count(generator)
+                continue
+            changed = {}
+            for uid, result in events:
+                job = jobs.get(uid)
+                if job is None:
+                    continue
+                if job.update(job.uids[uid], result):  # a stop string: the row is done
+                    generator.cancel(uid)
+                if result.finished or job.choices[job.uids[uid]].finish_reason:
+                    del jobs[uid]
+                changed[id(job)] = job
+            for job in changed.values():
+                if job.finished:
+                    job.done = True
+                    job.send(("done",))
+                    with self.lock:
+                        self.counters["completed"] += 1
+                else:
+                    job.send(("progress",))
+            self._count(generator)
+
+    def _new_generator(self):
+        return self.decoder.batch_generator(
+            speculative=self.speculative,
+            max_batch_size=self.max_batch_size,
+            cost_batch_size=self.max_batch_size,
+        )
+
+    def _count(self, generator) -> None:
+        with self.lock:
+            self.counters["waiting"] = len(generator.waiting)
+            self.counters["active"] = sum(row is not None for row in generator.rows)
+
+    def _admit(self, generator, job: Job, jobs: dict) -> None:
+        """Insert ``job``'s prompts, or tell it why not."""
+        from sampling import Sampling
+
+        settings = job.settings
+        with self.lock:
+            self.in_transit -= len(settings.prompts)
+        try:
+            ids = [self.decoder.prompt_ids(prompt) for prompt in settings.prompts]
+        except (TypeError, ValueError) as error:
+            job.send(("error", RequestError(400, str(error), "prompt")))
+            return
+        longest = max(map(len, ids))
+        if longest > self.max_prompt_tokens:
+            message = (
+                f"the prompt has {longest} tokens, more than the {self.max_prompt_tokens} "
+                "this server accepts (its memory limit)"
+            )
+            job.send(("error", RequestError(400, message, "prompt")))
+            return
+        sampling = Sampling(settings.temperature, settings.top_p, settings.top_k)
+        for index, prompt_ids in enumerate(ids):
+            uid = generator.insert(
+                prompt_ids, max_tokens=settings.max_tokens, sampling=sampling, seed=settings.seed
+            )
+            job.uids[uid] = index
+            jobs[uid] = job
+        job.send(("accepted",))
+
+    def _cancel(self, generator, job: Job, jobs: dict) -> None:
+        rows = [uid for uid, owner in jobs.items() if owner is job]
+        for uid in rows:
+            generator.cancel(uid)
+            del jobs[uid]
+        if rows:
+            with self.lock:
+                self.counters["cancelled"] += 1
+
+
+def completion_body(job: Job, request_id: str, model: str, created: int, stream_texts=None) -> dict:
+    """OpenAI's completion object for ``job``; with ``stream_texts`` (per
+    choice: the text to send now, or None), a streaming chunk."""
+    choices = []
+    for index, choice in enumerate(job.choices):
+        if stream_texts is not None and stream_texts[index] is None:
+            continue
+        result = choice.result
+        entry = {
+            "index": index,
+            "text": choice.text if stream_texts is None else stream_texts[index],
+            "logprobs": None,
+            "finish_reason": choice.finish_reason,
+        }
+        if stream_texts is None and result is not None:
+            # The speculative figures, named as LM Studio reports them.
+            entry["stats"] = {
+                "total_draft_tokens_count": result.n_draft,
+                "accepted_draft_tokens_count": result.n_accepted,
+                "rejected_draft_tokens_count": result.n_rejected,
+            }
+        choices.append(entry)
+    body = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if stream_texts is None:
+        prompt_tokens = sum(c.result.prompt_tokens for c in job.choices if c.result)
+        completion_tokens = sum(len(c.result.tokens) for c in job.choices if c.result)
+        body["usage"] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+    return body
+
+
+def build_app(
+    engine: Engine, args: argparse.Namespace, model_names: list[str], api_key: str | None
+):
+    """The Starlette application: the routes, JSON errors, the key check."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def error_response(error: RequestError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if error.status == 429 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    async def read_json(request: Request) -> object:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > args.max_body_bytes:
+            raise RequestError(413, f"the body is larger than {args.max_body_bytes} bytes")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > args.max_body_bytes:
+                raise RequestError(413, f"the body is larger than {args.max_body_bytes} bytes")
+        try:
+            return json.loads(body, parse_constant=_refuse_constant)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise RequestError(400, f"the body is not valid JSON: {error}") from None
+
+    async def completions(request: Request):
+        try:
+            settings = parse_completion(await read_json(request), args.max_tokens_limit)
+            job = Job(settings, asyncio.get_running_loop())
+            engine.submit(job)
+            message = await job.messages.get()
+            if message[0] == "error":
+                raise message[1]
+        except RequestError as error:
+            return error_response(error)
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if settings.stream:
+            events = stream_events(job, request_id, created)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await complete(request, job, request_id, created)
+
+    async def complete(request: Request, job: Job, request_id: str, created: int):
+        """Wait for every choice; a client that leaves cancels the job."""
+        while True:
+            try:
+                message = await asyncio.wait_for(job.messages.get(), timeout=0.25)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    engine.cancel(job)
+                    return JSONResponse({})  # nobody reads it
+                continue
+            if message[0] == "error":
+                return error_response(message[1])
+            if message[0] == "done":
+                return JSONResponse(completion_body(job, request_id, model_names[0], created))
+
+    async def stream_events(job: Job, request_id: str, created: int) -> AsyncIterator[str]:
+        """Server-sent events: a chunk after every round that added text,
+        then [DONE]. Text that could still become a stop string is held back."""
+        sent = [0] * len(job.choices)  # characters sent, per choice
+        ended = [False] * len(job.choices)  # its finish_reason sent
+        hold = max((len(s) for s in job.settings.stop), default=1) - 1
+        try:
+            while True:
+                message = await job.messages.get()
+                if message[0] == "error":
+                    yield f"data: {json.dumps(message[1].body())}\n\n"
+                    break
+                texts = []
+                for index, choice in enumerate(job.choices):
+                    finishing = choice.finish_reason is not None and not ended[index]
+                    end = len(choice.text) if finishing else len(choice.text) - hold
+                    new = choice.text[sent[index] : max(sent[index], end)]
+                    sent[index] += len(new)
+                    ended[index] = ended[index] or finishing
+                    texts.append(new if new or finishing else None)
+                if any(t is not None for t in texts):
+                    chunk = completion_body(job, request_id, model_names[0], created, texts)
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                if message[0] == "done":
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not job.done:  # the client left (or the stream failed): free the rows
+                engine.cancel(job)
+
+    async def models(request: Request):
+        created = int(time.time())
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "local"}
+            for name in model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(request: Request):
+        return JSONResponse(engine.health())
+
+    async def chat(request: Request):
+        return error_response(
+            RequestError(
+                400,
+                "T5 is not a chat model (it has no chat template): send the text as prompt "
+                "to /v1/completions",
+            )
+        )
+
+    async def http_error(request: Request, error: HTTPException):
+        messages = {
+            404: f"no such path: {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }
+        return error_response(
+            RequestError(error.status_code, messages.get(error.status_code, str(error.detail)))
+        )
+
+    async def server_error(request: Request, error: Exception):
+        return error_response(RequestError(500, f"internal error: {type(error).__name__}"))
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+    )
+    if api_key:
+        app.add_middleware(KeyCheck, api_key=api_key, error=error_response)
+    return app
+
+
+def _refuse_constant(name: str):
+    """JSON's NaN and Infinity, which Python would otherwise accept."""
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+class KeyCheck:
+    """ASGI middleware: every path but /health needs ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app, api_key: str, error):
+        self.app, self.key, self.error = app, api_key.encode(), error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            expected = b"Bearer " + self.key
+            if not hmac.compare_digest(given, expected):  # constant time
+                response = self.error(
+                    RequestError(401, "a valid API key is required", kind="authentication_error")
+                )
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def http_server_class():
+    """uvicorn's server, saying where it listens once it does, and ending
+    with status 0 after a graceful shutdown on SIGINT or SIGTERM (uvicorn's
+    own raises the signal again once it has shut down)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config, ready_message: str):
+            super().__init__(config)
+            self.ready_message = ready_message
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                print(
+                    self.ready_message.format(f"http://{host}:{port}"), file=sys.stderr, flush=True
+                )
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            stops = (signal.SIGINT, signal.SIGTERM)
+            previous = {stop: signal.signal(stop, self.handle_exit) for stop in stops}
+            try:
+                yield
+            finally:
+                for stop, handler in previous.items():
+                    signal.signal(stop, handler)
+
+    return Server
+
+
+def prompt_token_limit(paths: list[Path], max_tokens: int, batch_size: int) -> int:
+    """The longest prompt, in tokens, for which a full batch at ``max_tokens``
+    fits in memory by main.py's estimate."""
+    from main import available_memory, runtime_bytes
+
+    weights = sum((path / "weights.npz").stat().st_size for path in paths)
+    budget = available_memory() - weights
+
+    def fits(tokens: int) -> bool:
+        return batch_size * sum(runtime_bytes(p, tokens, max_tokens) for p in paths) <= budget
+
+    low, high = 1, 1 << 20
+    if not fits(low):
+        raise MemoryError(
+            f"{' and '.join(map(str, paths))} leave no memory for a batch of {batch_size}"
+        )
+    while low < high:  # the largest length that fits
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def serve(args: argparse.Namespace) -> int:
+    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    # blas first: on Linux it loads an optimized BLAS, which MLX uses only if loaded before it.
+    import blas  # noqa: F401  # isort: skip
+    import uvicorn
+
+    from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
+    from main import check_memory
+    from model import load_model
+
+    Server = http_server_class()
+
+    paths = [resolve_model(args.model_name)]
+    if not args.regular_decode and args.draft_model_name != "none":
+        paths.append(resolve_model(args.draft_model_name))
+        check_draft_directories(*paths)
+    limit = args.max_prompt_tokens or prompt_token_limit(
+        paths, args.max_tokens_limit, args.max_batch_size
+    )
+    check_memory(args.model_name, paths, limit, args.max_tokens_limit, args.max_batch_size)
+    models = []
+    for path, role in zip(paths, ("", "draft ")):
+        print(f"Loading {role}{path}", file=sys.stderr)
+        models.append(load_model(path))
+    decoder = SpeculativeDecoder(
+        models[0],
+        models[1] if len(models) > 1 else None,
+        load_tokenizer(paths[0]),
+        args.num_draft,
+        args.delta,
+        0 if args.regular_decode else args.prompt_lookup,
+    )
+    engine = Engine(
+        decoder,
+        speculative=not args.regular_decode,
+        max_batch_size=args.max_batch_size,
+        max_waiting=args.max_waiting,
+        max_prompt_tokens=limit,
+    )
+    engine.start()
+    names = [args.model_name] + ([args.draft_model_name] if len(paths) > 1 else [])
+    app = build_app(engine, args, names, api_key)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(
+            f"warning: listening on {args.host} without an API key: anyone who can reach it "
+            f"can use it (--api-key or ${API_KEY_VARIABLE})",
+            file=sys.stderr,
+        )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning" if args.quiet else "info",  # info: the access log
+        access_log=not args.quiet,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    server = Server(config, f"Serving {args.model_name} on {{}} (prompts up to {limit} tokens)")
+    try:
+        server.run()
+    finally:
+        engine.stop()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_transformers()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return serve(args)
+    except (ValueError, OSError, MemoryError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""server.py over real HTTP: the official openai client, concurrent
+requests sharing a batch (each greedy choice equal to its prompt decoded
+alone, no text in another request's response), seeds, cancellation, bad
+input answered with OpenAI-shaped 4xx errors, the API key, and a graceful
+shutdown. The server runs on 127.0.0.1 on a port the system picks, started
+and stopped by the tests; every request has a time limit."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from test_batch import PROMPTS
+
+from decoder import SpeculativeDecoder
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "test-key-123"
+TIMEOUT = 120  # seconds, for any one request
+NUM_DRAFT = 3
+MAX_NEW = 12
+
+
+def start_server(converted_pair, *options: str, key: str | None = API_KEY) -> tuple:
+    """Start server.py on a free port (the system's pick); (process, base URL)."""
+    main_dir, draft_dir = converted_pair
+    command = [sys.executable, str(ROOT / "server.py"), "--model-name", str(main_dir)]
+    command += ["--draft-model-name", str(draft_dir), "--num-draft", str(NUM_DRAFT)]
+    command += ["--port", "0", "--quiet", *options]
+    env = dict(os.environ)
+    env.pop("T5_SERVER_API_KEY", None)
+    if key:
+        command += ["--api-key", key]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # ready when it prints its address
+        line = process.stderr.readline()
+        lines.append(line)
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        if found:
+            # Keep reading standard error, so that the server never blocks on it.
+            threading.Thread(target=process.stderr.read, daemon=True).start()
+            return process, found.group(1)
+        if not line and process.poll() is not None:
+            break
+    stop_server(process)
+    pytest.fail("the server did not start: " + "".join(lines))
+
+
+def stop_server(process) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(converted_pair):
+    process, url = start_server(converted_pair, "--max-prompt-tokens", "1000")
+    yield url
+    stop_server(process)
+
+
+@pytest.fixture(scope="module")
+def reference(decoding_pair):
+    """The library's decoder with the server's settings."""
+    return SpeculativeDecoder(*decoding_pair, num_draft=NUM_DRAFT)
+
+
+def post(url: str, body, path="/v1/completions", key=API_KEY, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(url + path, content=content, headers=headers, timeout=TIMEOUT, **kwargs)
+
+
+def stream_texts(url: str, body: dict) -> list[str]:
+    """A streamed completion's texts per choice, put together from its events."""
+    texts, finished = {}, {}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={**body, "stream": True},
+        headers=headers,
+        timeout=TIMEOUT,
+    ) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        for choice in json.loads(event[6:])["choices"]:
+            assert not finished.get(choice["index"]), "text after a choice's finish_reason"
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            finished[choice["index"]] = choice["finish_reason"] is not None
+    assert all(finished.values())
+    return [texts[i] for i in sorted(texts)]
+
+
+def test_the_openai_client_gets_the_main_models_text(server, reference, converted_pair):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
+    alone = reference.generate(PROMPTS[1], max_tokens=MAX_NEW)
+    expected = alone.text
+    completion = client.completions.create(
+        model="main", prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0
+    )
+    assert completion.choices[0].text == expected
+    assert completion.usage.completion_tokens == len(alone.tokens)
+    assert completion.usage.prompt_tokens == alone.prompt_tokens
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    streamed = client.completions.create(
+        model="main", prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+    models = client.models.list()
+    assert [m.id for m in models.data] == [str(p) for p in converted_pair]
+
+
+def test_concurrent_requests_each_get_their_own_text(server, reference):
+    """40 requests at once: prompts of 1 to about 160 tokens, streaming and
+    not, greedy and sampled, some with a list of prompts."""
+    requests = []
+    for i in range(40):
+        prompts = [PROMPTS[i % len(PROMPTS)]]
+        if i % 5 == 0:
+            prompts.append(PROMPTS[(i + 3) % len(PROMPTS)])
+        body = {"prompt": prompts if len(prompts) > 1 else prompts[0], "max_tokens": MAX_NEW}
+        body["temperature"] = 0.0 if i % 3 else 1.0
+        requests.append((body, prompts, i % 2 == 0))
+
+    def send(request):
+        body, _, streaming = request
+        if streaming:
+            return stream_texts(server, body)
+        response = post(server, body)
+        assert response.status_code == 200, response.text
+        return [choice["text"] for choice in response.json()["choices"]]
+
+    with ThreadPoolExecutor(max_workers=40) as pool:
+        answers = list(pool.map(send, requests))
+    alone = {p: reference.generate(p, max_tokens=MAX_NEW).text for p in PROMPTS}
+    for (body, prompts, _), texts in zip(requests, answers, strict=True):
+        assert len(texts) == len(prompts)
+        if body["temperature"] == 0:
+            assert texts == [alone[p] for p in prompts]
+    health = httpx.get(server + "/health", timeout=TIMEOUT).json()
+    assert health["active"] == 0 and health["waiting"] == 0
+
+
+def test_a_seeded_request_gets_its_text_alone_and_among_others(server, reference):
+    body = {"prompt": PROMPTS[3], "max_tokens": MAX_NEW, "temperature": 0.9, "seed": 42}
+    alone = post(server, body).json()["choices"][0]["text"]
+    others = [{**body, "prompt": p, "seed": None} for p in PROMPTS[4:11]]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(post, server, b) for b in others]
+        among = pool.submit(post, server, body).result().json()["choices"][0]["text"]
+        for future in futures:
+            assert future.result().status_code == 200
+    expected = reference.speculative_decode(
+        PROMPTS[3], max_tokens=MAX_NEW, temp=0.9, seed=42
+    ).text  # the library alone, a batch of one
+    assert alone == among == expected
+    other_seed = post(server, {**body, "seed": 43}).json()["choices"][0]["text"]
+    assert other_seed != alone  # the seed matters: the check is not vacuous
+
+
+def test_a_client_that_leaves_frees_its_row(server, reference):
+    before = httpx.get(server + "/health", timeout=TIMEOUT).json()
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": PROMPTS[2], "max_tokens": 64, "stream": True, "stop": "zzzz-never"}
+    with httpx.stream(
+        "POST", server + "/v1/completions", json=body, headers=headers, timeout=TIMEOUT
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # leave after the first event
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        health = httpx.get(server + "/health", timeout=TIMEOUT).json()
+        if health["cancelled"] > before["cancelled"] and health["active"] == 0:
+            break
+        time.sleep(0.05)
+    assert health["cancelled"] == before["cancelled"] + 1
+    assert health["active"] == 0
+    # The server goes on, with the right text.
+    expected = reference.generate(PROMPTS[0], max_tokens=MAX_NEW).text
+    assert (
+        post(server, {"prompt": PROMPTS[0], "max_tokens": MAX_NEW}).json()["choices"][0]["text"]
+        == expected
+    )
+
+
+def test_stop_strings_end_a_choice(server, reference):
+    full = reference.generate(PROMPTS[1], max_tokens=MAX_NEW).text
+    stop = full.split()[2]
+    body = {"prompt": PROMPTS[1], "max_tokens": MAX_NEW, "stop": [stop]}
+    choice = post(server, body).json()["choices"][0]
+    assert choice["text"] == full[: full.index(stop)]
+    assert choice["finish_reason"] == "stop"
+    assert stream_texts(server, body) == [full[: full.index(stop)]]
+
+
+GOOD = {"prompt": "the dog", "max_tokens": 4}
+BAD_REQUESTS = [
+    ("not json", "{", 400, None),
+    ("NaN", '{"prompt": "a", "temperature": NaN}', 400, None),
+    ("not an object", "[1, 2]", 400, None),
+    ("no prompt", {"max_tokens": 4}, 400, "prompt"),
+    ("prompt a number", {"prompt": 5}, 400, "prompt"),
+    ("empty prompt", {"prompt": "  "}, 400, "prompt"),
+    ("empty list", {"prompt": []}, 400, "prompt"),
+    ("list with a number", {"prompt": ["a", 3]}, 400, "prompt"),
+    ("negative max_tokens", {**GOOD, "max_tokens": -1}, 400, "max_tokens"),
+    ("fractional max_tokens", {**GOOD, "max_tokens": 1.5}, 400, "max_tokens"),
+    ("max_tokens as text", {**GOOD, "max_tokens": "4"}, 400, "max_tokens"),
+    ("max_tokens over the cap", {**GOOD, "max_tokens": 10**6}, 400, "max_tokens"),
+    ("negative temperature", {**GOOD, "temperature": -1}, 400, "temperature"),
+    ("top_p 0", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("negative top_k", {**GOOD, "top_k": -2}, 400, "top_k"),
+    ("negative seed", {**GOOD, "seed": -1}, 400, "seed"),
+    ("stop a number", {**GOOD, "stop": 5}, 400, "stop"),
+    ("n = 2", {**GOOD, "n": 2}, 400, "n"),
+    ("stream as text", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("prompt too long", {"prompt": "the dog " * 1000}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "body", "status", "param"), BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS]
+)
+def test_bad_input_gets_a_json_error_and_the_server_goes_on(case, body, status, param, server):
+    response = post(server, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert post(server, GOOD).status_code == 200
+
+
+def test_wrong_paths_methods_size_and_keys(server):
+    cases = [
+        (
+            httpx.get(
+                server + "/v1/nothing",
+                headers={"Authorization": f"Bearer {API_KEY}"},
+                timeout=TIMEOUT,
+            ),
+            404,
+        ),
+        (
+            httpx.get(
+                server + "/v1/completions",
+                headers={"Authorization": f"Bearer {API_KEY}"},
+                timeout=TIMEOUT,
+            ),
+            405,
+        ),
+        (post(server, GOOD, path="/v1/chat/completions"), 400),
+        (post(server, {"prompt": "a" * 2_000_000}), 413),
+        (post(server, GOOD, key=None), 401),
+        (post(server, GOOD, key="wrong"), 401),
+    ]
+    for response, status in cases:
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["message"]
+    assert "/v1/completions" in cases[2][0].json()["error"]["message"]
+    assert httpx.get(server + "/health", timeout=TIMEOUT).status_code == 200  # no key needed
+    assert post(server, GOOD).status_code == 200
+
+
+def test_sigterm_lets_a_running_request_finish(converted_pair, reference):
+    process, url = start_server(converted_pair, key=None)
+    try:
+        expected = reference.generate(PROMPTS[2], max_tokens=40).text
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            running = pool.submit(post, url, {"prompt": PROMPTS[2], "max_tokens": 40}, key=None)
+            deadline = time.monotonic() + 60
+            while httpx.get(url + "/health", timeout=TIMEOUT).json()["requests"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            process.send_signal(signal.SIGTERM)
+            assert running.result().json()["choices"][0]["text"] == expected
+        assert process.wait(timeout=60) == 0
+    finally:
+        stop_server(process)
