@@ -130,6 +130,7 @@ class Settings:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
+    stream_usage: bool = False  # stream_options.include_usage: a last chunk with usage
 
 
 def _number(body: dict, name: str, default, kind: type, valid, requirement: str):
@@ -168,6 +169,13 @@ def parse_completion(body: object, max_tokens_limit: int) -> Settings:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(400, "stream must be true or false", "stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict) or not isinstance(
+        stream_options.get("include_usage", False), bool
+    ):
+        raise RequestError(
+            400, 'stream_options must be {"include_usage": true or false}', "stream_options"
+        )
     for name, plain in (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None)):
         if body.get(name, plain) not in (plain, None):
             hint = "; send a list of prompts for several completions" if name == "n" else ""
@@ -192,6 +200,7 @@ def parse_completion(body: object, max_tokens_limit: int) -> Settings:
         seed=seed,
         stop=stop,
         stream=stream,
+        stream_usage=stream_options.get("include_usage", False),
     )
 
 
@@ -533,6 +542,12 @@ def build_app(
                     chunk = completion_body(job, request_id, model_names[0], created, texts)
                     yield f"data: {json.dumps(chunk)}\n\n"
                 if message[0] == "done":
+                    if job.settings.stream_usage:  # OpenAI's last chunk: no choices, the usage
+                        usage = completion_body(job, request_id, model_names[0], created)["usage"]
+                        chunk = completion_body(
+                            job, request_id, model_names[0], created, [None] * len(texts)
+                        )
+                        yield f"data: {json.dumps({**chunk, 'usage': usage})}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:
@@ -742,4 +757,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Skip interpreter teardown: MLX's native state of the decoding thread
+    # sometimes aborts the process as it is destroyed (seen: SIGABRT after
+    # a clean shutdown), which would turn a graceful exit into a crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -126,7 +126,16 @@ def test_the_openai_client_gets_the_main_models_text(server, reference, converte
     streamed = client.completions.create(
         model="main", prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0, stream=True
     )
-    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+    chunks = list(streamed)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected
+    with_usage = client.completions.create(
+        model="main",
+        prompt=PROMPTS[1],
+        max_tokens=MAX_NEW,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert [c.usage.completion_tokens for c in with_usage if c.usage] == [len(alone.tokens)]
     models = client.models.list()
     assert [m.id for m in models.data] == [str(p) for p in converted_pair]
 
@@ -298,3 +307,29 @@ def test_sigterm_lets_a_running_request_finish(converted_pair, reference):
         assert process.wait(timeout=60) == 0
     finally:
         stop_server(process)
+
+
+def test_the_load_generator_reports_every_mode(converted_pair, tmp_path):
+    """benchmarks/load.py end to end on the tiny pair: both modes, no errors."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:4]))
+    out = tmp_path / "load.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "load.py")]
+    command += [
+        "--model-name",
+        str(converted_pair[0]),
+        "--draft-model-name",
+        str(converted_pair[1]),
+    ]
+    command += ["--prompts", str(prompts), "--concurrency", "1,3", "--requests", "6"]
+    command += ["--max-tokens", "8", "--out", str(out)]
+    subprocess.run(command, check=True, timeout=300, capture_output=True, cwd=ROOT)
+    report = json.loads(out.read_text())
+    assert [(r["mode"], r["concurrency"]) for r in report["rows"]] == [
+        ("speculative auto", 1),
+        ("speculative auto", 3),
+        ("regular", 1),
+        ("regular", 3),
+    ]
+    assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in report["rows"])
+    assert report["library_tokens_per_s"] > 0
