@@ -253,12 +253,26 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# Peak bytes of encoder self-attention per byte of its float32 scores (the
+# scores, the position bias and mask, softmax's intermediates), measured on
+# the CPU: about 4 in MLX's fused attention (fewer scores than
+# model.SOFTMAX_CPU_MIN_SCORES), 10 to 11 when model.softmax_cpu takes all
+# scores at once, 6 to 8 per block when the encoder works over blocks of
+# queries. tests/test_memory.py checks the estimate against measured peaks.
+FUSED_ATTENTION_PEAK_FACTOR = 4
+ATTENTION_PEAK_FACTOR = 11
+BLOCKED_ATTENTION_PEAK_FACTOR = 8
+
+
 def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
-    """An estimate of what a converted model needs besides its weights: the
-    decoder's self- and cross-attention caches and the encoder's activations
-    for a prompt of ``prompt_tokens``."""
+    """An estimate of what a converted model needs besides its weights, per
+    row: the decoder's self- and cross-attention caches, the encoder's
+    activations for a prompt of ``prompt_tokens``, and its self-attention
+    scores, which the encoder computes over blocks of queries of at most
+    ``model.ENCODER_BLOCK_BYTES``, so that they stop growing with the square
+    of the prompt."""
     from decoder import MAX_AUTO_DRAFT
-    from model import KVCache, load_config
+    from model import ENCODER_BLOCK_BYTES, SOFTMAX_CPU_MIN_SCORES, KVCache, load_config
 
     args = load_config(path)
     config = json.loads((path / "config.json").read_text())
@@ -266,8 +280,15 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     inner = args.num_heads * args.d_kv
     decoded = KVCache.step * math.ceil((max_tokens + MAX_AUTO_DRAFT + 1) / KVCache.step)
     cache = 2 * args.num_decoder_layers * (prompt_tokens + decoded) * inner
-    activations = prompt_tokens * (2 * args.d_ff + 4 * inner + args.num_heads * prompt_tokens)
-    return (cache + activations) * value_bytes
+    activations = prompt_tokens * (2 * args.d_ff + 4 * inner)
+    scores = 4 * args.num_heads * prompt_tokens**2
+    if scores < 4 * SOFTMAX_CPU_MIN_SCORES:
+        attention = FUSED_ATTENTION_PEAK_FACTOR * scores
+    elif scores <= ENCODER_BLOCK_BYTES:
+        attention = ATTENTION_PEAK_FACTOR * scores
+    else:
+        attention = BLOCKED_ATTENTION_PEAK_FACTOR * ENCODER_BLOCK_BYTES
+    return (cache + activations) * value_bytes + attention
 
 
 def check_memory(

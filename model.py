@@ -114,6 +114,15 @@ class RelativePositionBias(nn.Module):
         )
         return self.embeddings(buckets).transpose(0, 3, 1, 2)
 
+    def table(self, length: int) -> mx.array:
+        """Bias [heads, 2 * length - 1] for every key - query distance from
+        -(length - 1) to length - 1: the bias depends on that distance alone."""
+        distances = mx.arange(-(length - 1), length)
+        buckets = relative_position_bucket(
+            distances, self.bidirectional, self.num_buckets, self.max_distance
+        )
+        return self.embeddings(buckets).T
+
 
 class Linear(nn.Linear):
     """``x W^T`` without bias. On the CPU, a projection of a single row to
@@ -175,6 +184,36 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, mask: mx.arra
     return softmax_cpu(scores).astype(values.dtype) @ values
 
 
+# A long prompt's encoder self-attention runs over blocks of queries, each
+# block's float32 scores taking at most this many bytes, so that memory grows
+# with the prompt's length, not its square (no [B, heads, S, S] array exists).
+ENCODER_BLOCK_BYTES = 1 << 27
+
+
+@dataclass
+class BlockMask:
+    """The additive mask of encoder self-attention, made one block of
+    queries at a time: the relative position bias plus each row's padding."""
+
+    bias_table: mx.array  # [heads, 2 S - 1]: RelativePositionBias.table
+    padding: mx.array  # [B, 1, 1, S]
+    length: int
+    block_size: int
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """(start, stop) of each block of queries."""
+        return [
+            (start, min(start + self.block_size, self.length))
+            for start in range(0, self.length, self.block_size)
+        ]
+
+    def __call__(self, start: int, stop: int) -> mx.array:
+        """The mask [B, heads, stop - start, S] of queries start .. stop - 1."""
+        keys = mx.arange(self.length)[None]
+        distance = keys - mx.arange(start, stop)[:, None] + self.length - 1
+        return self.bias_table[:, distance][None] + self.padding
+
+
 class Attention(nn.Module):
     """Multi-head attention without score scaling; T5 folds it into the weights."""
 
@@ -195,9 +234,18 @@ class Attention(nn.Module):
         """Keys and values of ``x``, split into heads: [B, heads, length, d_kv]."""
         return self.split_heads(self.key_proj(x)), self.split_heads(self.value_proj(x))
 
-    def __call__(self, x: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
+    def __call__(
+        self, x: mx.array, keys: mx.array, values: mx.array, mask: mx.array | BlockMask
+    ) -> mx.array:
         queries = self.split_heads(self.query_proj(x))
-        out = attention(queries, keys, values, mask)
+        if isinstance(mask, BlockMask):
+            blocks = []
+            for start, stop in mask.blocks():
+                blocks.append(attention(queries[:, :, start:stop], keys, values, mask(start, stop)))
+                mx.eval(blocks[-1])  # so that one block's scores exist at a time
+            out = mx.concatenate(blocks, axis=2)
+        else:
+            out = attention(queries, keys, values, mask)
         batch, _, length, _ = out.shape
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
@@ -483,11 +531,19 @@ class T5(nn.Module):
         """Encoder output [B, S, d_model] for token ids [B, S]; ``mask`` marks
         real tokens with 1 and padding with 0."""
         x = self.embed(inputs)
-        length = inputs.shape[1]
-        positions = mx.arange(length)[None]
-        attn_mask = self.encoder.position_bias(positions, length) + padding_mask(mask, x.dtype)
+        batch, length = inputs.shape
+        padding = padding_mask(mask, x.dtype)
+        block_size = ENCODER_BLOCK_BYTES // (4 * batch * self.args.num_heads * length)
+        if block_size >= length:  # all scores at once
+            positions = mx.arange(length)[None]
+            attn_mask = self.encoder.position_bias(positions, length) + padding
+        else:
+            bias_table = self.encoder.position_bias.table(length)
+            attn_mask = BlockMask(bias_table, padding, length, max(block_size, 1))
         for layer in self.encoder.layers:
             x = layer(x, attn_mask)
+            if isinstance(attn_mask, BlockMask):
+                mx.eval(x)  # one layer's blocks at a time
         return self.encoder.norm(x)
 
     def make_cache(self, memory: mx.array, mask: mx.array | None = None) -> DecoderCache:
