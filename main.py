@@ -30,6 +30,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def build_parser() -> ArgumentParser:
     add(
         "--output",
         metavar="FILE",
-        help="with --prompts: write the results to FILE, which must not exist, as JSON Lines "
+        help="with --prompts: write the results to FILE (a new file; -: standard output) "
+        "as JSON Lines "
         '({"index", "text", "tokens", "n_accepted", "n_draft"}), each line as soon as its '
         "prompt is done (so in completion order); nothing then goes to standard output",
     )
@@ -314,12 +316,27 @@ def check_memory(
         return
     batch = f" for a batch of {batch_size}" if batch_size > 1 else ""
     message = (
-        f"{' and '.join(map(str, paths))} need about {format_bytes(needed)}{batch}, "
-        f"more than the {format_bytes(available)} this machine has for MLX"
+        f"{' and '.join(map(str, paths))} {'need' if len(paths) > 1 else 'needs'} about "
+        f"{format_bytes(needed)}{batch}, more than the {format_bytes(available)} this "
+        "machine has for MLX"
     )
     fitting = (available - sum(weights)) // sum(per_row)
     if fitting >= 1:  # a smaller batch fits
         raise MemoryError(f"{message}; --batch-size {fitting} fits")
+
+    def fits(tokens: int) -> bool:
+        rows = sum(runtime_bytes(path, prompt_tokens, tokens) for path in paths)
+        return sum(weights) + batch_size * rows <= available
+
+    if fits(1):  # the cache for the tokens asked for is what does not fit
+        most, too_many = 1, max_tokens
+        while too_many - most > 1:
+            middle = (most + too_many) // 2
+            most, too_many = (middle, too_many) if fits(middle) else (most, middle)
+        raise MemoryError(
+            f"{message}: the decoder cache for --max-tokens {max_tokens} does not fit; "
+            f"--max-tokens {most} fits"
+        )
     main_args = load_config(paths[0])
     if main_args.quantization is None:
         four_bit = parameter_bytes(main_args, mx.bfloat16, FOUR_BIT)
@@ -362,12 +379,24 @@ def read_prompts(source: str) -> list[str]:
 
 
 def refuse_existing(path: str) -> None:
-    """Raise ``FileExistsError`` if something is at ``path``: --output writes
-    only a new file, never over one it did not write."""
+    """Refuse, before anything loads, an --output that cannot be written:
+    something already at ``path`` (--output writes only a new file, never
+    over one it did not write), no name, or a directory that takes no new
+    file. ``-`` is standard output."""
+    if path == "-":
+        return
+    if not path:
+        raise ValueError("--output '': give a new file's name, or - for standard output")
     if os.path.lexists(path):
         raise FileExistsError(f"--output {path} already exists; give a new file's name")
-    if not Path(path).parent.is_dir():
-        raise FileNotFoundError(f"--output {path}: no directory {Path(path).parent}")
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"--output {path}: no directory {parent}")
+    try:  # the one sure test that a file can be made there; nothing stays behind
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as error:
+        raise ValueError(f"--output {path}: cannot write in {parent} ({error.strerror})") from None
 
 
 def one_line(text: str) -> str:
@@ -504,7 +533,7 @@ def generate_one(args: argparse.Namespace, decoder, prompt: str) -> int:
 def open_output(path: str | None):
     """Standard output (left open), or the new file ``path``: mode "x" never
     writes over a file that appeared since ``refuse_existing`` looked."""
-    if path is None:
+    if path is None or path == "-":
         return contextlib.nullcontext(sys.stdout)
     try:
         return open(path, "x", encoding="utf-8")

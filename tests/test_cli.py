@@ -1028,3 +1028,47 @@ def test_progress_bar_on_a_terminal(models, single_results, tmp_path):
     assert f"{total}/{total}" in on_terminal and "prompt/s" in on_terminal, on_terminal
     assert batch_stats(on_terminal)[0] == total
     assert float(CALIBRATION.search(on_terminal)[1]) >= 0
+
+
+@pytest.mark.parametrize(
+    ("output", "mentioned"),
+    [("", "--output ''"), ("/proc/results.jsonl", "--output /proc/results.jsonl: cannot write")],
+    ids=["empty name", "a directory that takes no file"],
+)
+def test_unwritable_output_is_refused_before_loading(output, mentioned, models, tmp_path):
+    (tmp_path / "prompts.txt").write_text(PROMPTS_FILE)
+    result = run_main(
+        *model_args(models), "--prompts", "prompts.txt", "--output", output, cwd=tmp_path
+    )
+    assert mentioned in assert_one_line_error(result)
+    assert "Loading" not in result.stderr
+    assert not Path("/proc/results.jsonl").exists()
+
+
+def test_output_dash_writes_json_lines_to_standard_output(models, single_results, tmp_path):
+    (tmp_path / "prompts.txt").write_text(PROMPTS_FILE)
+    result = run_main(
+        *model_args(models), "--prompts", "prompts.txt", *BATCH, "--output", "-", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    records = sorted(
+        (json.loads(line) for line in result.stdout.splitlines()), key=lambda r: r["index"]
+    )
+    assert [r["text"] for r in records] == [single["text"] for single in single_results]
+    assert not (tmp_path / "-").exists()
+
+
+def test_too_many_tokens_names_max_tokens_and_what_fits(models, monkeypatch, capsys):
+    needed = needed_bytes(models)
+    monkeypatch.setattr(main_module, "available_memory", lambda: needed)
+    assert main_module.main([*model_args(models), "--prompt", PROMPT, "-m", "10000000"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    fits = re.search(r"--max-tokens 10000000 does not fit; --max-tokens (\d+) fits", line)
+    assert fits, line
+    prompt_tokens = len(load_tokenizer(models[0])(PROMPT).input_ids)
+    largest = int(fits[1])
+    assert largest >= MAX_TOKENS  # the run the memory was measured for fits
+    per_row = [main_module.runtime_bytes(path, prompt_tokens, largest + 300) for path in models]
+    weights = sum((path / "weights.npz").stat().st_size for path in models)
+    assert weights + sum(per_row) > needed  # a cache chunk more does not
+    assert "4-bit" not in line
