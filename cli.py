@@ -168,6 +168,17 @@ def free_output(checkpoint: Path) -> Path:
     return next(path for path in candidates if not path.exists() and not path.is_symlink())
 
 
+def python_command() -> str:
+    """How to run this Python in advice a user copies: its path relative to
+    the current directory when it lies below it (``.venv/bin/python`` after
+    the README's quick start), else the absolute path."""
+    executable = Path(sys.executable)
+    try:
+        return str(executable.relative_to(Path.cwd()))
+    except ValueError:
+        return str(executable)
+
+
 def resolve_model(name: str) -> Path:
     """A directory written by convert.py: ``name`` itself, ``mlx_models/<name>``
     or, for a Hugging Face checkpoint directory, its one conversion in
@@ -178,7 +189,7 @@ def resolve_model(name: str) -> Path:
             return path
     if not is_checkpoint(Path(name)):
         raise FileNotFoundError(
-            f"model {name!r} is not converted; run: python convert.py --model {name}"
+            f"model {name!r} is not converted; run: {python_command()} convert.py --model {name}"
         )
     conversions = conversions_of(Path(name))
     if len(conversions) == 1:
@@ -194,7 +205,7 @@ def resolve_model(name: str) -> Path:
         )
     out = free_output(Path(name))
     raise FileNotFoundError(
-        f"{name} is a Hugging Face checkpoint, not converted yet; run: python convert.py "
+        f"{name} is a Hugging Face checkpoint, not converted yet; run: {python_command()} convert.py "
         f"--model {shlex.quote(name)} --out {shlex.quote(str(out))}, then give {out} in its place"
     )
 

@@ -42,6 +42,7 @@ from cli import (
     checked,
     format_bytes,
     num_draft,
+    python_command,
     quiet_transformers,
     read_prompt,
     resolve_model,
@@ -343,7 +344,7 @@ def check_memory(
         message += f"; with 4-bit weights the main model needs {format_bytes(four_bit)}"
         if needed - weights[0] + four_bit <= available:
             source = "<its checkpoint>" if Path(model_name).is_dir() else model_name
-            message += f", which fits: python convert.py --model {source} -q"
+            message += f", which fits: {python_command()} convert.py --model {source} -q"
         else:
             message += ", still too much"
     elif len(paths) > 1 and weights[0] + runtime[0] <= available:

@@ -26,6 +26,7 @@ from fixtures import train_tokenizer
 
 import convert
 import main as main_module
+from cli import python_command
 from decoder import GenerationResult, SpeculativeDecoder, load_tokenizer
 from model import load_model
 
@@ -480,12 +481,13 @@ def test_checkpoint_directory_advice_works_when_followed(hf_pair, converted, tmp
     copy_model(converted("relu_tied"), tmp_path / "mlx_models" / "main")  # another checkpoint's
     run = ["--regular-decode", *GENERATE]
     advice = assert_one_line_error(run_main("--model-name", str(checkpoint), *run, cwd=tmp_path))
-    match = re.search(r"run: (python convert\.py .+), then give (\S+) in its place", advice)
+    match = re.search(r"run: (\S+ convert\.py .+), then give (\S+) in its place", advice)
     assert match, advice
     command, out = shlex.split(match[1]), match[2]
     assert out == str(Path("mlx_models", "main-2"))
+    assert command[0] == sys.executable  # the Python that runs main.py, which has mlx
     conversion = subprocess.run(
-        [sys.executable, str(ROOT / command[1]), *command[2:], "--dtype", "float32"],
+        [command[0], str(ROOT / command[1]), *command[2:], "--dtype", "float32"],
         cwd=tmp_path,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         capture_output=True,
@@ -510,7 +512,10 @@ def test_readme_python_snippet_runs_outside_the_repository(models, tmp_path):
     said, snippet = re.search(
         r"From Python \((.*?)\):\n\n```python\n(.*?)```", readme, re.DOTALL
     ).groups()
-    assert "PYTHONPATH=/path/to/this/repository python script.py" in " ".join(said.split())
+    assert (
+        "PYTHONPATH=/path/to/this/repository /path/to/this/repository/.venv/bin/python script.py"
+        in " ".join(said.split())
+    )
     (tmp_path / "mlx_models").mkdir()
     for name, directory in zip(("t5-11b", "t5-small"), models):
         (tmp_path / "mlx_models" / name).symlink_to(directory, target_is_directory=True)
@@ -568,7 +573,7 @@ def test_unconverted_model_names_the_convert_command(role, models, tmp_path):
     names[role] = "no-such-org/no-such-t5"
     result = run_main(*[x for pair in names.items() for x in pair], "-m", "3", cwd=tmp_path)
     message = assert_one_line_error(result)
-    assert "python convert.py --model no-such-org/no-such-t5" in message
+    assert f"{sys.executable} convert.py --model no-such-org/no-such-t5" in message
     assert "Loading" not in result.stderr
 
 
@@ -669,7 +674,7 @@ def needed_bytes(models) -> int:
     ("short_by", "advice"),
     [
         # Just too little: 4-bit weights for the main model would fit.
-        (1, "which fits: python convert.py --model"),
+        (1, "which fits: {python} convert.py --model"),
         # Far too little: not even 4-bit weights fit.
         (0.99, "still too much"),
     ],
@@ -685,6 +690,7 @@ def test_models_that_do_not_fit_are_refused_before_loading(
     captured = capsys.readouterr()
     assert captured.out == ""
     (line,) = captured.err.splitlines()
+    advice = advice.format(python=python_command())
     assert line.startswith("error: ") and "more than the" in line and advice in line
 
 

@@ -104,3 +104,13 @@ def test_the_checks_catch_broken_links(tmp_path, monkeypatch):
         False,
         True,
     ]
+
+
+def test_copyable_commands_name_the_venvs_python():
+    """After the README's quick start (a .venv, never activated), a bare
+    ``python`` is the system's, without mlx: every command a reader copies
+    names .venv/bin/python."""
+    bare = re.compile(r"(?<![/\w.-])python3? (?!-m venv)\S+\.py|(?<![/\w.-])python3? -m pytest")
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            assert not bare.search(line), f"{page.name}:{number}: {line}"
