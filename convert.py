@@ -36,6 +36,7 @@ from cli import (
     default_output,
     format_bytes,
     is_converted,
+    python_command,
     quiet_transformers,
     read_config,
     written_by_convert,
@@ -490,7 +491,8 @@ def convert(
     """
     if is_converted(Path(model)):
         raise ValueError(
-            f"{model} is already converted; use it as it is: python main.py --model-name {model}"
+            f"{model} is already converted; use it as it is: "
+            f"{python_command()} main.py --model-name {model}"
         )
     check_output(out, model, force)
     checkpoint = fetch_checkpoint(model)
@@ -602,8 +604,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: nothing written", file=sys.stderr)
         return 130
     print(f"Saved to {out}")
-    print(f"Use it as the main model: python main.py --model-name {out}")
-    print(f"or as the draft model:    python main.py --draft-model-name {out}")
+    python = python_command()
+    print(f"Use it as the main model: {python} main.py --model-name {out}")
+    print(f"or as the draft model:    {python} main.py --draft-model-name {out}")
     return 0
 
 
