@@ -188,8 +188,11 @@ def resolve_model(name: str) -> Path:
         if is_converted(path):
             return path
     if not is_checkpoint(Path(name)):
+        looked = Path.cwd() / "mlx_models" / name.replace("/", "-")
         raise FileNotFoundError(
-            f"model {name!r} is not converted; run: {python_command()} convert.py --model {name}"
+            f"model {name!r} is not converted: no converted model at {name} nor at {looked}; "
+            f"for a Hugging Face hub id or checkpoint, run: "
+            f"{python_command()} convert.py --model {name}"
         )
     conversions = conversions_of(Path(name))
     if len(conversions) == 1:

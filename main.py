@@ -146,7 +146,11 @@ def drafting_summary(result, drafting: str, num_draft: int | str) -> str:
     line = f"Drafting: {drafting}, "
     lengths = result.draft_lengths
     if num_draft == "auto" and lengths:
-        line += f"g auto: average {sum(lengths) / len(lengths):.1f}, range {min(lengths)}-{max(lengths)}"
+        # Rounds where auto chose a plain step drafted nothing: say how many did draft.
+        line += (
+            f"g auto: {len(lengths)} of {result.n_steps} rounds drafted, "
+            f"average {sum(lengths) / len(lengths):.1f}, range {min(lengths)}-{max(lengths)}"
+        )
     elif num_draft == "auto":
         line += "g auto: no round drafted"
     else:

@@ -42,7 +42,8 @@ STATS = re.compile(
 )
 ACCEPTANCE = re.compile(r"Draft tokens accepted: (\d+)/(\d+) \(([\d.]+)%\)")
 DRAFTING = re.compile(
-    r"Drafting: (.+?), g (= \d+|auto: average [\d.]+, range \d+-\d+|auto: no round drafted)"
+    r"Drafting: (.+?), g (= \d+|auto: \d+ of \d+ rounds drafted, average [\d.]+, range \d+-\d+"
+    r"|auto: no round drafted)"
 )
 COLOUR_CODE = re.compile(r"\x1b\[\d+m")
 PEAK_MEMORY = re.compile(r"Peak memory: ([\d.]+) [MG]B")
@@ -431,7 +432,7 @@ def test_ctrl_c_while_generating_keeps_the_text_and_summary(models, tmp_path):
 def test_drafting_summary_says_which_g_ran():
     drafted = GenerationResult(tokens=[], draft_lengths=[1, 3, 2], n_steps=5, n_lookup_rounds=2)
     summary = main_module.drafting_summary(drafted, "draft model", "auto")
-    assert summary == "Drafting: draft model, g auto: average 2.0, range 1-3"
+    assert summary == "Drafting: draft model, g auto: 3 of 5 rounds drafted, average 2.0, range 1-3"
     summary = main_module.drafting_summary(drafted, "hybrid", 4)
     assert summary == "Drafting: hybrid, g = 4; prompt lookup drafted 2 of 5 rounds"
     plain = GenerationResult(tokens=[], n_steps=5)
@@ -574,6 +575,8 @@ def test_unconverted_model_names_the_convert_command(role, models, tmp_path):
     result = run_main(*[x for pair in names.items() for x in pair], "-m", "3", cwd=tmp_path)
     message = assert_one_line_error(result)
     assert f"{sys.executable} convert.py --model no-such-org/no-such-t5" in message
+    # Where it looked: the name itself and mlx_models/ of the current directory.
+    assert str(tmp_path / "mlx_models" / "no-such-org-no-such-t5") in message
     assert "Loading" not in result.stderr
 
 
