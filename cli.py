@@ -99,6 +99,29 @@ def num_draft(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1 or auto") from None
 
 
+def add_drafting_options(parser: argparse.ArgumentParser, num_draft_default: int | str) -> None:
+    """--num-draft, --prompt-lookup and --delta, as main.py and server.py take them."""
+    add = parser.add_argument
+    add(
+        "--num-draft",
+        type=num_draft,
+        default=num_draft_default,
+        help="draft tokens per main-model pass, or auto: chosen before every round",
+    )
+    add(
+        "--prompt-lookup",
+        type=NON_NEGATIVE,
+        default=0,
+        help="draft from n-grams up to N tokens long found in the prompt or output (0: off)",
+    )
+    add(
+        "--delta",
+        type=checked(float, lambda d: 0 <= d <= 1, "in [0, 1]"),
+        default=0.0,
+        help="acceptance relaxation in [0, 1]: 0 is exact, 1 accepts every draft token",
+    )
+
+
 def format_bytes(size: float) -> str:
     """``size`` bytes in GB, or in MB below 0.1 GB."""
     return f"{size / 1e9:.3f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"

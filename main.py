@@ -39,9 +39,9 @@ from cli import (
     POSITIVE,
     SEED,
     ArgumentParser,
+    add_drafting_options,
     checked,
     format_bytes,
-    num_draft,
     python_command,
     quiet_transformers,
     read_prompt,
@@ -103,24 +103,7 @@ def build_parser() -> ArgumentParser:
         '({"index", "text", "tokens", "n_accepted", "n_draft"}), each line as soon as its '
         "prompt is done (so in completion order); nothing then goes to standard output",
     )
-    add(
-        "--num-draft",
-        type=num_draft,
-        default=5,
-        help="draft tokens per main-model pass, or auto: chosen before every round",
-    )
-    add(
-        "--prompt-lookup",
-        type=NON_NEGATIVE,
-        default=0,
-        help="draft from n-grams up to N tokens long found in the prompt or output (0: off)",
-    )
-    add(
-        "--delta",
-        type=checked(float, lambda d: 0 <= d <= 1, "in [0, 1]"),
-        default=0.0,
-        help="acceptance relaxation in [0, 1]: 0 is exact, 1 accepts every draft token",
-    )
+    add_drafting_options(parser, num_draft_default=5)
     add("--max-tokens", "-m", type=POSITIVE, default=100, help="most tokens to generate")
     add(
         "--temp",

@@ -36,9 +36,9 @@ from cli import (
     POSITIVE,
     SEEDS,
     ArgumentParser,
+    add_drafting_options,
     checked,
     is_seed,
-    num_draft,
     quiet_transformers,
     resolve_model,
 )
@@ -59,19 +59,7 @@ def build_parser() -> ArgumentParser:
         default="t5-small",
         help="draft model: converted name or directory; none: no draft model",
     )
-    add("--num-draft", type=num_draft, default="auto", help="draft tokens per pass, or auto")
-    add(
-        "--prompt-lookup",
-        type=NON_NEGATIVE,
-        default=0,
-        help="draft from n-grams up to N tokens long found in the prompt or output (0: off)",
-    )
-    add(
-        "--delta",
-        type=checked(float, lambda d: 0 <= d <= 1, "in [0, 1]"),
-        default=0.0,
-        help="acceptance relaxation in [0, 1]: 0 is exact",
-    )
+    add_drafting_options(parser, num_draft_default="auto")
     add("--regular-decode", action="store_true", help="decode with the main model alone")
     add("--max-batch-size", type=POSITIVE, default=8, help="rows decoded together")
     add(
