@@ -585,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         check_arguments(parser, args)
         return run(args)
+    except BrokenPipeError:
+        # The reader of standard output left (as `| head` does): stop quietly,
+        # as command-line tools do, with the status a shell gives them (128 +
+        # SIGPIPE); what Python still holds for standard output goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ValueError, OSError, MemoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -1081,3 +1081,18 @@ def test_too_many_tokens_names_max_tokens_and_what_fits(models, monkeypatch, cap
     weights = sum((path / "weights.npz").stat().st_size for path in models)
     assert weights + sum(per_row) > needed  # a cache chunk more does not
     assert "4-bit" not in line
+
+
+def test_a_reader_that_leaves_ends_the_run_quietly(models, tmp_path):
+    """``main.py --prompts ... | head -1``: no error, no traceback."""
+    (tmp_path / "prompts.txt").write_text("\n".join(BATCH_PROMPTS * 20))
+    command = [sys.executable, str(ROOT / "main.py"), *model_args(models)]
+    command += ["--prompts", "prompts.txt", "--batch-size", "2", "-m", "6"]
+    process = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline()
+    process.stdout.close()  # as head does after its line
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == 141
+    assert "error" not in stderr and "Traceback" not in stderr and "Exception" not in stderr, stderr
