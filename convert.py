@@ -80,6 +80,12 @@ def mode_runs(mode: str) -> bool:
     return True
 
 
+def choice_list(choices) -> str:
+    """``choices`` in increasing order: "2, 3, 4, 5, 6 or 8"."""
+    ordered = [str(choice) for choice in sorted(choices)]
+    return ordered[0] if len(ordered) == 1 else f"{', '.join(ordered[:-1])} or {ordered[-1]}"
+
+
 def quantization_settings(bits: int | None, group_size: int | None, mode: str) -> dict:
     """``{"group_size", "bits", "mode"}`` with the mode's defaults filled in;
     ``ValueError`` for what the mode does not take or this platform cannot run."""
@@ -87,11 +93,9 @@ def quantization_settings(bits: int | None, group_size: int | None, mode: str) -
     bits = bit_choices[0] if bits is None else bits
     group_size = group_choices[0] if group_size is None else group_size
     if bits not in bit_choices:
-        raise ValueError(f"--q-mode {mode} takes --q-bits {' or '.join(map(str, bit_choices))}")
+        raise ValueError(f"--q-mode {mode} takes --q-bits {choice_list(bit_choices)}")
     if group_size not in group_choices:
-        raise ValueError(
-            f"--q-mode {mode} takes --q-group-size {' or '.join(map(str, group_choices))}"
-        )
+        raise ValueError(f"--q-mode {mode} takes --q-group-size {choice_list(group_choices)}")
     if not mode_runs(mode):
         raise ValueError(f"--q-mode {mode} does not run on this platform's MLX; use affine")
     return {"group_size": group_size, "bits": bits, "mode": mode}
@@ -572,12 +576,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize the weights")
     parser.add_argument(
-        "--q-bits", type=int, help="bits per quantized weight (default: 4, or the mode's)"
+        "--q-bits",
+        type=int,
+        help="bits per quantized weight: 2, 3, 4, 5, 6 or 8 in affine mode (default: 4, or "
+        "the mode's)",
     )
     parser.add_argument(
         "--q-group-size",
         type=int,
-        help="weights sharing one scale (default: 64, or the mode's)",
+        help="weights sharing one scale: 32, 64 or 128 in affine mode (default: 64, or the mode's)",
     )
     parser.add_argument(
         "--q-mode",

@@ -38,6 +38,7 @@ from cli import (
     NON_NEGATIVE,
     POSITIVE,
     SEED,
+    SEEDS,
     ArgumentParser,
     add_drafting_options,
     checked,
@@ -115,10 +116,10 @@ def build_parser() -> ArgumentParser:
         "--top-p",
         type=checked(float, lambda p: 0 < p <= 1, "in (0, 1]"),
         default=1.0,
-        help="nucleus mass",
+        help="nucleus mass, in (0, 1]",
     )
     add("--top-k", type=NON_NEGATIVE, default=0, help="sample among the k likeliest (0: all)")
-    add("--seed", type=SEED, default=0, help="random seed for sampling")
+    add("--seed", type=SEED, default=0, help=f"random seed for sampling, {SEEDS}")
     add("--regular-decode", action="store_true", help="decode with the main model alone")
     add("--show-draft", action="store_true", help="colour accepted draft tokens on a terminal")
     return parser

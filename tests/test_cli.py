@@ -1096,3 +1096,8 @@ def test_a_reader_that_leaves_ends_the_run_quietly(models, tmp_path):
     stderr = process.stderr.read()
     assert process.wait(timeout=300) == 141
     assert "error" not in stderr and "Traceback" not in stderr and "Exception" not in stderr, stderr
+
+
+def test_help_gives_the_allowed_ranges():
+    help_text = " ".join(main_module.build_parser().format_help().split())
+    assert "in (0, 1]" in help_text and "an integer in [0, 2**64)" in help_text

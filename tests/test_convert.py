@@ -943,3 +943,19 @@ def test_parameter_bytes_match_the_converted_files(
     assert stored == parameter_bytes(load_config(out), getattr(mx, dtype), settings)
     file_size = (out / "weights.npz").stat().st_size
     assert stored < file_size < stored + 200 * 1024  # the npz adds its headers
+
+
+def test_quantization_choices_are_listed_in_order_and_in_help():
+    with pytest.raises(ValueError, match=r"takes --q-bits 2, 3, 4, 5, 6 or 8$"):
+        convert.quantization_settings(7, None, "affine")
+    with pytest.raises(ValueError, match=r"takes --q-group-size 32, 64 or 128$"):
+        convert.quantization_settings(None, 48, "affine")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "convert.py"), "--help"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    help_text = " ".join(result.stdout.split())
+    assert "2, 3, 4, 5, 6 or 8" in help_text and "32, 64 or 128" in help_text
