@@ -169,6 +169,13 @@ class Row:
 GREEDY = Sampling()
 
 
+# A place freed by a finished or cancelled prompt stays in the caches, free
+# for a waiting prompt at the start of this many rounds (decoding nothing of
+# use meanwhile): a server's next request, which usually arrives during the
+# round after, takes it without the caches being shrunk and grown again.
+HOLD_FREE_ROWS = 2
+
+
 class BatchGenerator:
     """Rows of one batch decoded together, one round (one main-model pass)
     per call of ``next``. Prompts ``insert``ed wait in a queue and take the
@@ -194,6 +201,8 @@ class BatchGenerator:
         self.cost_batch_size = cost_batch_size
         self.waiting: deque[Row] = deque()
         self.rows: list[Row | None] = []  # one per row of the caches; None: a free place
+        self.freed: dict[int, int] = {}  # free place -> the round it was freed in
+        self.rounds = 0  # rounds run
         self.main_cache: DecoderCache | None = None
         self.drafter = None
         self.draft_length: DraftLength | None = None
@@ -231,9 +240,7 @@ class BatchGenerator:
                 return
         for i, row in enumerate(self.rows):
             if row is not None and row.uid == uid:
-                self.rows[i] = None
-                if not self.waiting:
-                    self._drop_free_rows()
+                self._free(i)
                 return
 
     def next(self) -> list[tuple[int, GenerationResult]]:
@@ -242,14 +249,23 @@ class BatchGenerator:
         last (end of sequence or its ``max_tokens``). Empty when nothing
         decodes or waits."""
         self._admit()
-        rows = self.rows
-        if not rows:
+        self._drop_free_rows()
+        live = [row for row in self.rows if row is not None]
+        if not live:
             return []
         decoder = self.decoder
+        # A free place decodes the start token again and drafts nothing
+        # (its limit is 0); it samples as a live row does, so that the batch
+        # keeps one rule where its rows share one.
+        start = [decoder.model.args.decoder_start_token_id]
+        rows = [
+            row or Row(-1, [], 1, live[0].sampling, seed=None, sequence=start, key=GREEDY_KEY)
+            for row in self.rows
+        ]
         sampling = RowSampling([row.sampling for row in rows])
         sequences = [row.sequence for row in rows]
         # Never propose more tokens than a row may still generate.
-        limits = [row.max_tokens - len(row.result.tokens) - 1 for row in rows]
+        limits = [row.max_tokens - len(row.result.tokens) - 1 if row.result else 0 for row in rows]
         verify_keys = draft_keys = next_keys = None
         if not sampling.greedy:
             row_keys = mx.stack([row.key for row in rows])
@@ -275,11 +291,14 @@ class BatchGenerator:
         )
         mx.eval(num_accepted, next_tokens, draft.tokens, next_keys)
 
+        self.rounds += 1
         events = []
         eos = decoder.model.args.eos_token_id
         for i, (row, accepted, next_token, draft_tokens) in enumerate(
             zip(rows, num_accepted.tolist(), next_tokens.tolist(), draft.tokens.tolist())
         ):
+            if row.result is None:  # a free place
+                continue
             if next_keys is not None:
                 row.key = next_keys[i]
             num_draft = draft.lengths[i]
@@ -308,16 +327,31 @@ class BatchGenerator:
             result.elapsed = time.perf_counter() - row.start
             events.append((row.uid, snapshot(result)))
             if result.finished:
-                self.rows[i] = None
-        if not self.waiting:  # nothing will take the finished rows' places
-            self._drop_free_rows()
+                self._free(i)
         return events
 
+    def _free(self, place: int) -> None:
+        """Free ``place`` for a waiting prompt; it leaves the caches when
+        none takes it within ``HOLD_FREE_ROWS`` rounds."""
+        self.rows[place] = None
+        self.freed[place] = self.rounds
+        if not any(self.rows):  # an idle generator holds no cache
+            self._drop_free_rows()
+
     def _drop_free_rows(self) -> None:
-        """Remove the rows that hold no prompt from the caches."""
-        kept = [i for i, row in enumerate(self.rows) if row is not None]
+        """Remove from the caches the free places held long enough (all of
+        them when no prompt decodes)."""
+        idle = not any(self.rows)
+        kept = [
+            i
+            for i, row in enumerate(self.rows)
+            if row is not None or (not idle and self.rounds - self.freed[i] < HOLD_FREE_ROWS)
+        ]
         if len(kept) == len(self.rows):
             return
+        self.freed = {
+            new: self.freed[old] for new, old in enumerate(kept) if self.rows[old] is None
+        }
         self.rows = [self.rows[i] for i in kept]
         if not kept:  # an idle generator holds no cache
             self.main_cache = self.drafter = None
@@ -332,11 +366,11 @@ class BatchGenerator:
         free = self.rows.count(None)
         capacity = free + self.max_batch_size - len(self.rows)
         joining = [self.waiting.popleft() for _ in range(min(capacity, len(self.waiting)))]
-        if len(joining) < free:
-            self._drop_free_rows()
         if not joining:
             return
-        places = [i for i, row in enumerate(self.rows) if row is None]
+        places = [i for i, row in enumerate(self.rows) if row is None][: len(joining)]
+        for place in places:
+            del self.freed[place]
         places += range(len(self.rows), len(self.rows) + len(joining) - len(places))
         self.rows += [None] * (max(places) + 1 - len(self.rows))
         prompts = [row.prompt_ids for row in joining]

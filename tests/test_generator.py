@@ -18,7 +18,7 @@ from test_sampling_distribution import (
     exact_distribution,
 )
 
-from decoder import SpeculativeDecoder
+from decoder import HOLD_FREE_ROWS, SpeculativeDecoder
 from sampling import RowSampling, Sampling
 
 MAX_NEW = 12
@@ -132,6 +132,36 @@ def test_prompts_join_and_leave_a_running_batch(decoding_pair):
     for uid, prompt in prompts.items():
         assert last[uid].tokens == decoder.generate(prompt, max_tokens=MAX_NEW).tokens, prompt
     assert not generator.rows and generator.main_cache is None  # an idle generator holds nothing
+
+
+def test_a_freed_place_is_taken_in_place_then_dropped(decoding_pair):
+    """A finished row's place stays in the caches for HOLD_FREE_ROWS rounds:
+    a prompt inserted meanwhile takes it (the batch keeps its rows where
+    they are); with nothing waiting it is dropped after them. Every row
+    still gets its greedy text."""
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
+    # Regular decoding (a token per round) of the two prompts that run longest.
+    generator = decoder.batch_generator(speculative=False, max_batch_size=3)
+    lasting = sorted(PROMPTS[1:], key=lambda p: len(decoder.generate(p, max_tokens=MAX_NEW).tokens))
+    assert len(decoder.generate(lasting[-2], max_tokens=MAX_NEW).tokens) > 3 + HOLD_FREE_ROWS
+    prompts = {generator.insert(PROMPTS[0], max_tokens=1): (PROMPTS[0], 1)}
+    prompts |= {generator.insert(p, max_tokens=MAX_NEW): (p, MAX_NEW) for p in lasting[-2:]}
+    last = dict(generator.next())  # the one-token prompt finished
+    last |= dict(generator.next())  # a round with nothing waiting
+    assert generator.rows[0] is None and len(generator.rows) == 3
+    joined = generator.insert(PROMPTS[0], max_tokens=MAX_NEW)
+    last |= dict(generator.next())
+    assert generator.rows[0].uid == joined and len(generator.rows) == 3
+    generator.cancel(joined)
+    del last[joined]
+    for _ in range(HOLD_FREE_ROWS):
+        last |= dict(generator.next())
+        assert generator.rows[0] is None and len(generator.rows) == 3
+    last |= dict(generator.next())
+    assert len(generator.rows) == 2 and len(generator.main_cache.lengths) == 2
+    last |= drain(generator)
+    for uid, (prompt, max_tokens) in prompts.items():
+        assert last[uid].tokens == decoder.generate(prompt, max_tokens=max_tokens).tokens
 
 
 def test_a_rows_samples_follow_the_main_model_among_other_settings(decoding_pair):
