@@ -231,8 +231,10 @@ async def soak(
     count: int,
     concurrency: int,
     max_tokens: int,
+    request_timeout: float,
 ) -> dict:
-    """``count`` requests of the soak, ``concurrency`` at a time; the tally."""
+    """``count`` requests of the soak, ``concurrency`` at a time; the tally.
+    A request unanswered after ``request_timeout`` seconds counts as lost."""
     tally = Counter()
     seen_ids: set[str] = set()
     counter = itertools.count()
@@ -241,8 +243,10 @@ async def soak(
         async def worker():
             while (i := next(counter)) < count:
                 try:
-                    out = await soak_request(client, url, i, prompts, max_tokens)
-                except httpx.HTTPError as error:
+                    out = await asyncio.wait_for(
+                        soak_request(client, url, i, prompts, max_tokens), request_timeout
+                    )
+                except (httpx.HTTPError, TimeoutError) as error:
                     tally[f"lost ({type(error).__name__})"] += 1
                     continue
                 tally[out["kind"]] += 1
@@ -338,7 +342,17 @@ def run_soak(args, prompts: list[str]) -> int:
     memory = MemorySampler(process.pid)
     try:
         start = time.perf_counter()
-        report = asyncio.run(soak(url, prompts, expected, args.soak, concurrency, args.max_tokens))
+        report = asyncio.run(
+            soak(
+                url,
+                prompts,
+                expected,
+                args.soak,
+                concurrency,
+                args.max_tokens,
+                args.request_timeout,
+            )
+        )
         report |= {"seconds": time.perf_counter() - start, "concurrency": concurrency}
         report |= memory.summary()
     finally:
@@ -373,6 +387,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--soak", type=int, metavar="N", help="the soak: N mixed requests (see above)"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=120, help="soak: seconds before a request is lost"
     )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()

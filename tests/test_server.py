@@ -333,3 +333,26 @@ def test_the_load_generator_reports_every_mode(converted_pair, tmp_path):
     ]
     assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in report["rows"])
     assert report["library_tokens_per_s"] > 0
+
+
+def test_the_soak_finds_nothing_lost_duplicated_or_mismatched(converted_pair, tmp_path):
+    """benchmarks/load.py --soak on the tiny pair: every kind of request,
+    bad ones and clients that leave included, and a clean tally."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:5]))
+    out = tmp_path / "soak.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "load.py")]
+    command += ["--model-name", str(converted_pair[0])]
+    command += ["--draft-model-name", str(converted_pair[1]), "--prompts", str(prompts)]
+    command += ["--soak", "40", "--concurrency", "6", "--max-tokens", "8", "--out", str(out)]
+    command += ["--request-timeout", "20"]
+    subprocess.run(command, check=True, timeout=300, capture_output=True, cwd=ROOT)
+    report = json.loads(out.read_text())
+    for kind in ("stream", "list", "whole", "sampled", "leave", "bad"):
+        assert report[kind] > 0, kind
+    assert (
+        sum(report[kind] for kind in ("stream", "list", "whole", "sampled", "leave", "bad")) == 40
+    )
+    for failure in ("lost", "duplicated", "mismatched", "bad with the wrong status"):
+        assert report[failure] == 0, failure
+    assert report["health"]["active"] == report["health"]["waiting"] == 0
