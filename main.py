@@ -352,6 +352,8 @@ def stop_at_once(signum: int, frame) -> None:
 def read_prompts(source: str) -> list[str]:
     """The prompts of ``--prompts``: the non-blank lines of the file
     ``source`` (``-``: standard input)."""
+    if source == "-" and sys.stdin.isatty():  # otherwise a blank screen waits for typing
+        print("reading prompts from standard input, one per line; end with Ctrl-D", file=sys.stderr)
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -383,7 +383,8 @@ def run_batches(args, prompts: list[str], decoder, model_path, draft_path) -> in
     calls = args.repeats * len(timed_runs(args))
     with ExitStack() as stack:
         workers = start_workers(args, stack)
-        with tqdm(total=calls, desc="decoding", file=sys.stderr) as progress:
+        # disable=None: the bar only on a terminal, never as \r frames in a log.
+        with tqdm(total=calls, desc="decoding", file=sys.stderr, disable=None) as progress:
             totals = measure(args, prompts, decoder, workers, progress)
         peers = {engine.label: worker.ready for engine, worker in workers.items()}
     rows = make_rows(totals, len(prompts))

@@ -546,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows, regular = [], {}
     total = len(args.temp) * args.repeats * len(prompts)
-    with tqdm(total=total, desc="decoding", file=sys.stderr) as progress:
+    # disable=None: the bar only on a terminal, never as \r frames in a log.
+    with tqdm(total=total, desc="decoding", file=sys.stderr, disable=None) as progress:
         for temp in args.temp:
             temp_rows, regular[temp] = run_temperature(
                 decoder, draft_model, prompts, temp, all_modes, args, costs, progress

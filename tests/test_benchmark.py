@@ -17,8 +17,10 @@ from model import T5, ModelArgs
 
 
 def run_benchmark(main_dir, draft_dir, *options: str) -> subprocess.CompletedProcess:
-    """``benchmark.py`` on the tiny pair, in a child process, as a user runs it."""
-    return subprocess.run(
+    """``benchmark.py`` on the tiny pair, in a child process, as a user runs
+    it; its standard error is not a terminal, so it must hold no progress-bar
+    frames (a log would fill with them)."""
+    run = subprocess.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "benchmark.py"),
@@ -31,6 +33,9 @@ def run_benchmark(main_dir, draft_dir, *options: str) -> subprocess.CompletedPro
         timeout=300,
         check=False,
     )  # fmt: skip
+    # (text=True reads a frame's \r as a new line: look for the bar's label.)
+    assert "decoding:" not in run.stderr, "a progress bar on standard error, not a terminal"
+    return run
 
 
 def test_predicted_speedup_follows_the_paper():

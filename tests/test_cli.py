@@ -1101,3 +1101,19 @@ def test_a_reader_that_leaves_ends_the_run_quietly(models, tmp_path):
 def test_help_gives_the_allowed_ranges():
     help_text = " ".join(main_module.build_parser().format_help().split())
     assert "in (0, 1]" in help_text and "an integer in [0, 2**64)" in help_text
+
+
+class TypedInput(io.StringIO):
+    """Standard input from a terminal: what a user types."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_prompts_from_a_terminal_get_a_hint(terminal, monkeypatch, capsys):
+    typed = (TypedInput if terminal else io.StringIO)("first\n\nsecond\n")
+    monkeypatch.setattr(sys, "stdin", typed)
+    assert main_module.read_prompts("-") == ["first", "second"]
+    hinted = "reading prompts from standard input" in capsys.readouterr().err
+    assert hinted == terminal
