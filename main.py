@@ -207,14 +207,17 @@ def print_batch_summary(
     )
     finished = sum(result.finished for result in started)
     generated = len(total.tokens)
-    throughput = generated / wall_time if wall_time else 0.0
+    # As in the single-prompt summary, auto's one-time calibration is not generation.
+    decoding_time = wall_time - total.calibration_time
+    throughput = generated / decoding_time if decoding_time > 0 else 0.0
     lines = [
         "=" * 40,
         f"Prompts: {finished} of {num_prompts} finished",
         f"Prompt processing: {total.prompt_tokens} tokens, {total.prompt_tokens_per_second:.1f} "
         + "tokens/s",
         f"Generation: {generated} tokens, {throughput:.1f} tokens/s "
-        + f"({wall_time:.1f} s of wall time after loading)",
+        + f"({decoding_time:.1f} s of wall time after loading)",
+        f"Main-model passes: {total.n_steps} (counted per prompt)",
     ]
     print("\n".join(lines + summary_end(total, drafting, num_draft)), file=sys.stderr)
 
@@ -547,6 +550,8 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str]) -> int:
         bar = tqdm(
             total=len(prompts), unit="prompt", file=sys.stderr, disable=not sys.stderr.isatty()
         )
+        if args.num_draft == "auto" and decoder.drafting != "none":
+            print("calibrating the draft length (auto)...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
             # Ctrl-C stops the run: what finished is written already, the summary follows.

@@ -1037,6 +1037,7 @@ def test_progress_bar_on_a_terminal(models, single_results, tmp_path):
     assert f"{total}/{total}" in on_terminal and "prompt/s" in on_terminal, on_terminal
     assert batch_stats(on_terminal)[0] == total
     assert float(CALIBRATION.search(on_terminal)[1]) >= 0
+    assert on_terminal.index("calibrating the draft length") < on_terminal.index(f"{total}/{total}")
 
 
 @pytest.mark.parametrize(
@@ -1117,3 +1118,16 @@ def test_prompts_from_a_terminal_get_a_hint(terminal, monkeypatch, capsys):
     assert main_module.read_prompts("-") == ["first", "second"]
     hinted = "reading prompts from standard input" in capsys.readouterr().err
     assert hinted == terminal
+
+
+def test_the_batch_summary_keeps_calibration_apart(capsys):
+    """auto's calibration is neither generation time nor silent: 2 of the 3
+    seconds calibrated, so 40 tokens make 40 tokens/s; passes are counted."""
+    results = {
+        i: GenerationResult([7] * 20, n_steps=9, calibration_time=2.0, finished=True)
+        for i in range(2)
+    }
+    main_module.print_batch_summary(results, 2, 3.0, "draft model", "auto")
+    stderr = capsys.readouterr().err
+    assert "Generation: 40 tokens, 40.0 tokens/s (1.0 s of wall time" in stderr
+    assert "Main-model passes: 18" in stderr and "Calibration: 2.0 s" in stderr
