@@ -158,6 +158,9 @@ def fetch_checkpoint(model: str) -> Path:
     network and offline mode."""
     if Path(model).is_dir():
         return Path(model)
+    if model.startswith(("/", "./", "../", "~")):  # a path, never a hub id: do not ask the hub
+        state = "is not a directory" if Path(model).expanduser().exists() else "does not exist"
+        raise ValueError(f"--model {model}: {state}")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,

@@ -959,3 +959,10 @@ def test_quantization_choices_are_listed_in_order_and_in_help():
     )
     help_text = " ".join(result.stdout.split())
     assert "2, 3, 4, 5, 6 or 8" in help_text and "32, 64 or 128" in help_text
+
+
+@pytest.mark.parametrize("path", ["/abs/missing/path", "./missing", "~/missing-t5"])
+def test_a_missing_local_path_is_refused_before_the_hub(path, capsys):
+    with pytest.raises(ValueError, match=f"--model {re.escape(path)}: does not exist"):
+        convert.fetch_checkpoint(path)
+    assert "Fetching" not in capsys.readouterr().out
