@@ -547,11 +547,19 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str]) -> int:
     interrupted = False
     with open_output(args.output) as file:
         sink = InOrderLines(file) if args.output is None else JsonLines(file)
-        bar = tqdm(
-            total=len(prompts), unit="prompt", file=sys.stderr, disable=not sys.stderr.isatty()
-        )
         if args.num_draft == "auto" and decoder.drafting != "none":
             print("calibrating the draft length (auto)...", file=sys.stderr, flush=True)
+        on_terminal = sys.stderr.isatty()
+        bar = tqdm(
+            total=len(prompts),
+            unit="prompt",
+            file=sys.stderr,
+            disable=not on_terminal,
+            # Two columns short of the terminal: the "^C" a terminal echoes on
+            # Ctrl-C then fits on the bar's line, instead of wrapping it onto
+            # a second line where the bar's last frame is drawn again.
+            ncols=os.get_terminal_size(sys.stderr.fileno()).columns - 2 if on_terminal else None,
+        )
         start = time.perf_counter()
         try:
             # Ctrl-C stops the run: what finished is written already, the summary follows.

@@ -1038,6 +1038,9 @@ def test_progress_bar_on_a_terminal(models, single_results, tmp_path):
     assert batch_stats(on_terminal)[0] == total
     assert float(CALIBRATION.search(on_terminal)[1]) >= 0
     assert on_terminal.index("calibrating the draft length") < on_terminal.index(f"{total}/{total}")
+    # Room for the "^C" a terminal echoes on Ctrl-C (80 columns here).
+    frames = [frame for frame in re.split("[\r\n]", on_terminal) if "prompt/s" in frame]
+    assert frames and max(map(len, frames)) <= 78, frames
 
 
 @pytest.mark.parametrize(
