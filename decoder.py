@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +47,7 @@ from drafting import (
     pass_times,
     trim_to,
 )
-from model import T5, DecoderCache, ModelArgs, load_config
+from model import T5, DecoderCache, ModelArgs, encoder_passes, load_config
 from sampling import RowSampling, Sampling, row_key, split_keys, verify
 
 
@@ -191,6 +191,7 @@ class BatchGenerator:
         speculative: bool = True,
         max_batch_size: int = 8,
         cost_batch_size: int | None = None,
+        prompt_progress: Callable[[int, int], None] | None = None,
     ):
         if not (isinstance(max_batch_size, int) and max_batch_size >= 1):
             raise ValueError(f"batch_size must be >= 1, got {max_batch_size!r}")
@@ -199,6 +200,9 @@ class BatchGenerator:
         self.max_batch_size = max_batch_size
         # "auto" weighs the costs measured at this many rows (default: the first rows' number).
         self.cost_batch_size = cost_batch_size
+        # Called as prompts are encoded: (0, total) first, then (k, total)
+        # after each of the total encoder layers of the main and draft models.
+        self.prompt_progress = prompt_progress
         self.waiting: deque[Row] = deque()
         self.rows: list[Row | None] = []  # one per row of the caches; None: a free place
         self.freed: dict[int, int] = {}  # free place -> the round it was freed in
@@ -376,15 +380,16 @@ class BatchGenerator:
         prompts = [row.prompt_ids for row in joining]
 
         start = time.perf_counter()
-        cache = self.decoder.model.prompt_cache(prompts)
+        on_layer = self._layer_progress(prompts)
+        cache = self.decoder.model.prompt_cache(prompts, on_layer)
         if self.main_cache is None:
             self.main_cache = cache
             if self.speculative:
-                self.drafter = self.decoder.drafter(prompts)
+                self.drafter = self.decoder.drafter(prompts, on_layer)
         else:
             self.main_cache.admit(places, cache)
             if self.drafter is not None:
-                self.drafter.admit(places, prompts)
+                self.drafter.admit(places, prompts, on_layer)
         prompt_time = (time.perf_counter() - start) / len(joining)
         calibration_time = self._calibrate(joining) if self.draft_length is None else 0.0
         for place, row in zip(places, joining):
@@ -398,6 +403,23 @@ class BatchGenerator:
             )
             row.start = start
             self.rows[place] = row
+
+    def _layer_progress(self, prompts: list[list[int]]) -> Callable[[], None] | None:
+        """What the encoders call after each layer, to report ``prompts``'
+        progress to ``prompt_progress``; None without one."""
+        if self.prompt_progress is None:
+            return None
+        models = [self.decoder.model]
+        if self.speculative and self.decoder.draft_model is not None:
+            models.append(self.decoder.draft_model)
+        total = len(encoder_passes(prompts)) * sum(model.args.num_layers for model in models)
+        done = itertools.count(1)
+        self.prompt_progress(0, total)
+
+        def on_layer() -> None:
+            self.prompt_progress(next(done), total)
+
+        return on_layer
 
     def _calibrate(self, joining: list[Row]) -> float:
         """Set up the draft length rule for the generator's first rows; the
@@ -504,12 +526,13 @@ class SpeculativeDecoder:
             )
         return list(prompt)
 
-    def drafter(self, prompts: list[list[int]]):
-        """A drafter for a batch of ``prompts`` (token ids)."""
+    def drafter(self, prompts: list[list[int]], on_layer: Callable[[], None] | None = None):
+        """A drafter for a batch of ``prompts`` (token ids); a draft model
+        calls ``on_layer()`` after each layer of its encoder."""
         vocab_size = self.model.args.vocab_size
         if self.drafting == "prompt lookup":
             return PromptLookupDrafter(prompts, vocab_size, self.prompt_lookup)
-        model_drafter = ModelDrafter(self.draft_model, prompts)
+        model_drafter = ModelDrafter(self.draft_model, prompts, on_layer)
         if self.drafting == "draft model":
             return model_drafter
         # Single-token matches are weak; the draft model does better there.
@@ -561,6 +584,7 @@ class SpeculativeDecoder:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
+        prompt_progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[tuple[int, GenerationResult]]:
         """Decode ``prompts``, ``batch_size`` at a time, and yield ``(index,
         result)`` for every prompt in the batch after every main-model pass
@@ -570,7 +594,10 @@ class SpeculativeDecoder:
         its place. Regular decoding (``speculative=False``, or nothing to
         draft with) is the same loop with no draft tokens. With ``seed``,
         every prompt draws the random numbers it would draw alone, so it
-        gets the text it gets alone (for a fixed ``num_draft``)."""
+        gets the text it gets alone (for a fixed ``num_draft``).
+        ``prompt_progress(done, total)`` follows the encoding of prompts:
+        called with 0, then after each encoder layer (main and draft
+        models, each padded pass), whenever prompts join the batch."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts")
         return self._stream(
@@ -581,12 +608,24 @@ class SpeculativeDecoder:
             sampling=Sampling(temp, top_p, top_k),
             seed=seed,
             name_prompts=True,
+            prompt_progress=prompt_progress,
         )
 
     def _stream(
-        self, prompts, *, speculative, batch_size, max_tokens, sampling, seed, name_prompts
+        self,
+        prompts,
+        *,
+        speculative,
+        batch_size,
+        max_tokens,
+        sampling,
+        seed,
+        name_prompts,
+        prompt_progress,
     ) -> Iterator[tuple[int, GenerationResult]]:
-        generator = self.batch_generator(speculative=speculative, max_batch_size=batch_size)
+        generator = self.batch_generator(
+            speculative=speculative, max_batch_size=batch_size, prompt_progress=prompt_progress
+        )
         index = {}
         for i, prompt in enumerate(prompts):
             try:
@@ -608,9 +647,11 @@ class SpeculativeDecoder:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
+        prompt_progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[GenerationResult]:
         """Decode ``prompt`` and yield the running result after every
-        main-model pass (a new object each time): a batch of one."""
+        main-model pass (a new object each time): a batch of one.
+        ``prompt_progress`` as for ``stream_batch``."""
         events = self._stream(
             [prompt],
             speculative=speculative,
@@ -619,6 +660,7 @@ class SpeculativeDecoder:
             sampling=Sampling(temp, top_p, top_k),
             seed=seed,
             name_prompts=False,
+            prompt_progress=prompt_progress,
         )
         return (result for _, result in events)
 

@@ -85,14 +85,22 @@ class ModelDrafter:
 
     source = "model"
 
-    def __init__(self, model: T5, prompts: list[list[int]]):
+    def __init__(
+        self, model: T5, prompts: list[list[int]], on_layer: Callable[[], None] | None = None
+    ):
         self.model = model
-        self.cache = model.prompt_cache(prompts)
+        self.cache = model.prompt_cache(prompts, on_layer)
         self.fed = 0  # draft tokens of the last proposal fed into the cache
 
-    def admit(self, rows: list[int], prompts: list[list[int]]) -> None:
-        """Give ``rows`` (restarted, or added past the batch) ``prompts``."""
-        self.cache.admit(rows, self.model.prompt_cache(prompts))
+    def admit(
+        self,
+        rows: list[int],
+        prompts: list[list[int]],
+        on_layer: Callable[[], None] | None = None,
+    ) -> None:
+        """Give ``rows`` (restarted, or added past the batch) ``prompts``;
+        ``on_layer()`` after each layer of the encoder."""
+        self.cache.admit(rows, self.model.prompt_cache(prompts, on_layer))
 
     def keep_rows(self, rows: list[int]) -> None:
         self.cache.keep_rows(rows)
@@ -215,8 +223,14 @@ class PromptLookupDrafter:
         self.vocab_size = vocab_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def admit(self, rows: list[int], prompts: list[list[int]]) -> None:
-        """Give ``rows`` (restarted, or added past the batch) ``prompts``."""
+    def admit(
+        self,
+        rows: list[int],
+        prompts: list[list[int]],
+        on_layer: Callable[[], None] | None = None,
+    ) -> None:
+        """Give ``rows`` (restarted, or added past the batch) ``prompts``
+        (no encoder: ``on_layer`` is never called)."""
         self.prompts += [[]] * (max(rows) + 1 - len(self.prompts))
         for row, ids in zip(rows, prompts, strict=True):
             self.prompts[row] = list(ids)
@@ -264,10 +278,15 @@ class HybridDrafter:
     def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
         self.lookup, self.model = lookup, model
 
-    def admit(self, rows: list[int], prompts: list[list[int]]) -> None:
+    def admit(
+        self,
+        rows: list[int],
+        prompts: list[list[int]],
+        on_layer: Callable[[], None] | None = None,
+    ) -> None:
         """Give ``rows`` (restarted, or added past the batch) ``prompts``."""
         self.lookup.admit(rows, prompts)
-        self.model.admit(rows, prompts)
+        self.model.admit(rows, prompts, on_layer)
 
     def keep_rows(self, rows: list[int]) -> None:
         self.lookup.keep_rows(rows)

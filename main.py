@@ -247,26 +247,31 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-# Peak bytes of encoder self-attention per byte of its float32 scores (the
-# scores, the position bias and mask, softmax's intermediates), measured on
-# the CPU: about 4 in MLX's fused attention (fewer scores than
-# model.SOFTMAX_CPU_MIN_SCORES), 10 to 11 when model.softmax_cpu takes all
-# scores at once, 6 to 8 per block when the encoder works over blocks of
-# queries. tests/test_memory.py checks the estimate against measured peaks.
-FUSED_ATTENTION_PEAK_FACTOR = 4
-ATTENTION_PEAK_FACTOR = 11
-BLOCKED_ATTENTION_PEAK_FACTOR = 8
+# Peak bytes of encoder self-attention per byte of one block's float32
+# scores (the scores, the mask, softmax's intermediates), measured on the
+# CPU: about 1 to 1.5 in MLX's fused attention (fewer scores than
+# model.SOFTMAX_CPU_MIN_SCORES), 7 to 7.5 through model.softmax_cpu.
+FUSED_ATTENTION_PEAK_FACTOR = 1.5
+ATTENTION_PEAK_FACTOR = 8
+# Values per token and unit of d_ff alive in the feed-forward block: its
+# hidden layer (the activation reuses it), and for gated models the two
+# products and their activated product. tests/test_memory.py checks the
+# estimate against measured peaks.
+FEED_FORWARD_VALUES = 1
+GATED_FEED_FORWARD_VALUES = 3.5
 
 
 def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     """An estimate of what a converted model needs besides its weights, per
-    row: the decoder's self- and cross-attention caches, the encoder's
-    activations for a prompt of ``prompt_tokens``, and its self-attention
-    scores, which the encoder computes over blocks of queries of at most
-    ``model.ENCODER_BLOCK_BYTES``, so that they stop growing with the square
-    of the prompt."""
+    row: the decoder's self- and cross-attention caches, and the larger of
+    the encoder's two peaks for a prompt of ``prompt_tokens`` (their sum
+    when the encoder takes the prompt in one block): self-attention
+    (its queries, keys and values, and one block's scores: the encoder
+    works over blocks of queries whose scores take at most
+    ``model.ENCODER_BLOCK_BYTES``, so memory grows with the prompt, not its
+    square) and the feed-forward block's hidden layer."""
     from decoder import MAX_AUTO_DRAFT
-    from model import ENCODER_BLOCK_BYTES, SOFTMAX_CPU_MIN_SCORES, KVCache, load_config
+    from model import SOFTMAX_CPU_MIN_SCORES, KVCache, encoder_block_size, load_config
 
     args = load_config(path)
     config = json.loads((path / "config.json").read_text())
@@ -274,15 +279,24 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     inner = args.num_heads * args.d_kv
     decoded = KVCache.step * math.ceil((max_tokens + MAX_AUTO_DRAFT + 1) / KVCache.step)
     cache = 2 * args.num_decoder_layers * (prompt_tokens + decoded) * inner
-    activations = prompt_tokens * (2 * args.d_ff + 4 * inner)
-    scores = 4 * args.num_heads * prompt_tokens**2
-    if scores < 4 * SOFTMAX_CPU_MIN_SCORES:
-        attention = FUSED_ATTENTION_PEAK_FACTOR * scores
-    elif scores <= ENCODER_BLOCK_BYTES:
-        attention = ATTENTION_PEAK_FACTOR * scores
-    else:
-        attention = BLOCKED_ATTENTION_PEAK_FACTOR * ENCODER_BLOCK_BYTES
-    return (cache + activations) * value_bytes + attention
+    residual = 2 * prompt_tokens * args.d_model  # the layer's input and its norm
+    block_size = encoder_block_size(1, args.num_heads, prompt_tokens)
+    # Queries, keys, values and the output; over blocks also their
+    # contiguous copies and the output's blocks.
+    attention_values = prompt_tokens * inner * (4 if block_size == prompt_tokens else 8)
+    scores = args.num_heads * block_size * prompt_tokens
+    factor = FUSED_ATTENTION_PEAK_FACTOR
+    if scores >= SOFTMAX_CPU_MIN_SCORES:
+        factor = ATTENTION_PEAK_FACTOR
+    attention = attention_values * value_bytes + factor * 4 * scores
+    gated = args.feed_forward_proj.startswith("gated-")
+    hidden = GATED_FEED_FORWARD_VALUES if gated else FEED_FORWARD_VALUES
+    feed_forward = hidden * prompt_tokens * args.d_ff * value_bytes
+    # A layer over one block is one computation, whose two peaks can overlap.
+    encoder = (
+        max(attention, feed_forward) if block_size < prompt_tokens else attention + feed_forward
+    )
+    return int((cache + residual) * value_bytes + encoder)
 
 
 def check_memory(
@@ -495,6 +509,58 @@ def sampling_options(args: argparse.Namespace) -> dict:
     }
 
 
+# A bar for prompt processing appears only once it has taken this many seconds.
+PROMPT_BAR_DELAY = 0.5
+
+
+def terminal_width() -> int | None:
+    """Columns for a bar on standard error, two short of the terminal: the
+    "^C" a terminal echoes on Ctrl-C then fits on the bar's line, instead of
+    wrapping it onto a second line where the bar's last frame is drawn
+    again. None when standard error is not a terminal."""
+    if not sys.stderr.isatty():
+        return None
+    return os.get_terminal_size(sys.stderr.fileno()).columns - 2
+
+
+class PromptProgress:
+    """The ``prompt_progress`` of ``stream`` and ``stream_batch``: on a
+    terminal, a bar of encoder layers computed, with elapsed and remaining
+    time, shown once encoding has taken ``PROMPT_BAR_DELAY`` seconds and
+    cleared when it ends; nothing otherwise."""
+
+    def __init__(self, label: str, position: int = 0):
+        self.label, self.position = label, position
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if done == 0:
+            self.close()
+            self.bar = tqdm(
+                total=total,
+                desc=self.label,
+                unit="layer",
+                file=sys.stderr,
+                disable=terminal_width() is None,
+                ncols=terminal_width(),
+                delay=PROMPT_BAR_DELAY,
+                leave=False,
+                position=self.position,
+                bar_format="{desc}: {n}/{total} {unit} [{elapsed}<{remaining}]",
+            )
+            return
+        self.bar.update(done - self.bar.n)
+        if done == total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def generate_one(args: argparse.Namespace, decoder, prompt: str) -> int:
     """Stream the text for ``prompt`` to standard output, then the summary to
     standard error; the exit status (130: interrupted)."""
@@ -504,10 +570,11 @@ def generate_one(args: argparse.Namespace, decoder, prompt: str) -> int:
     printed, num_printed = "", 0
     result = None
     interrupted = False
+    progress = PromptProgress("processing the prompt")
     try:
         # While generating, Ctrl-C stops it: the text so far and its summary are kept.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for result in decoder.stream(prompt, **sampling_options(args)):
+        for result in decoder.stream(prompt, prompt_progress=progress, **sampling_options(args)):
             if result.text.startswith(printed):
                 text = new_text(result, decoder.tokenizer, printed, num_printed, show_draft)
                 print(text, end="", flush=True)
@@ -515,6 +582,7 @@ def generate_one(args: argparse.Namespace, decoder, prompt: str) -> int:
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        progress.close()
         signal.signal(signal.SIGINT, stop_at_once)
     print()
     if interrupted:
@@ -549,23 +617,20 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str]) -> int:
         sink = InOrderLines(file) if args.output is None else JsonLines(file)
         if args.num_draft == "auto" and decoder.drafting != "none":
             print("calibrating the draft length (auto)...", file=sys.stderr, flush=True)
-        on_terminal = sys.stderr.isatty()
+        width = terminal_width()
         bar = tqdm(
-            total=len(prompts),
-            unit="prompt",
-            file=sys.stderr,
-            disable=not on_terminal,
-            # Two columns short of the terminal: the "^C" a terminal echoes on
-            # Ctrl-C then fits on the bar's line, instead of wrapping it onto
-            # a second line where the bar's last frame is drawn again.
-            ncols=os.get_terminal_size(sys.stderr.fileno()).columns - 2 if on_terminal else None,
+            total=len(prompts), unit="prompt", file=sys.stderr, disable=width is None, ncols=width
         )
+        progress = PromptProgress("processing prompts", position=1)
         start = time.perf_counter()
         try:
             # Ctrl-C stops the run: what finished is written already, the summary follows.
             signal.signal(signal.SIGINT, signal.default_int_handler)
             for index, result in decoder.stream_batch(
-                prompts, batch_size=args.batch_size, **sampling_options(args)
+                prompts,
+                batch_size=args.batch_size,
+                prompt_progress=progress,
+                **sampling_options(args),
             ):
                 results[index] = result
                 if result.finished:
@@ -577,6 +642,7 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str]) -> int:
             interrupted = True
         finally:
             signal.signal(signal.SIGINT, stop_at_once)
+            progress.close()
             bar.close()
     wall_time = time.perf_counter() - start
     if interrupted:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -184,10 +184,21 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, mask: mx.arra
     return softmax_cpu(scores).astype(values.dtype) @ values
 
 
-# A long prompt's encoder self-attention runs over blocks of queries, each
-# block's float32 scores taking at most this many bytes, so that memory grows
-# with the prompt's length, not its square (no [B, heads, S, S] array exists).
-ENCODER_BLOCK_BYTES = 1 << 27
+# The encoder's self-attention runs over blocks of queries, each block's
+# float32 scores taking at most this many bytes: memory grows with the
+# prompt's length, not its square (no [B, heads, S, S] array exists), and a
+# block's scores stay in the CPU's caches while softmax reads them (on the
+# benchmark pair's draft, 8 MB blocks were the fastest or within 5% of it
+# at 2,500 and 10,000 tokens, against 2, 16 and 64 MB).
+ENCODER_BLOCK_BYTES = 1 << 23
+
+
+def encoder_block_size(batch_size: int, num_heads: int, length: int) -> int:
+    """Queries per block of encoder self-attention over ``batch_size``
+    prompts of ``length`` tokens: all of them when their float32 scores
+    take at most ``ENCODER_BLOCK_BYTES``."""
+    block_size = ENCODER_BLOCK_BYTES // (4 * batch_size * num_heads * length)
+    return max(1, min(length, block_size))
 
 
 @dataclass
@@ -195,8 +206,8 @@ class BlockMask:
     """The additive mask of encoder self-attention, made one block of
     queries at a time: the relative position bias plus each row's padding."""
 
-    bias_table: mx.array  # [heads, 2 S - 1]: RelativePositionBias.table
-    padding: mx.array  # [B, 1, 1, S]
+    bias_table: mx.array  # [heads, 2 S - 1]: RelativePositionBias.table, contiguous
+    padding: mx.array | None  # [B, 1, 1, S]; None: no row is padded
     length: int
     block_size: int
 
@@ -208,10 +219,27 @@ class BlockMask:
         ]
 
     def __call__(self, start: int, stop: int) -> mx.array:
-        """The mask [B, heads, stop - start, S] of queries start .. stop - 1."""
-        keys = mx.arange(self.length)[None]
-        distance = keys - mx.arange(start, stop)[:, None] + self.length - 1
-        return self.bias_table[:, distance][None] + self.padding
+        """The mask [B or 1, heads, stop - start, S] of queries start .. stop - 1."""
+        heads, width = self.bias_table.shape
+        # Query q reads the table from distance -q on, one step back per
+        # query: a strided view of the table, not a gather of S^2 values.
+        bias = mx.as_strided(
+            self.bias_table,
+            (1, heads, stop - start, self.length),
+            (0, width, -1, 1),
+            offset=self.length - 1 - start,
+        )
+        return bias if self.padding is None else bias + self.padding
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+        """``attention`` over every block of queries [B, heads, S, d_kv]."""
+        # Each block reads slices of these: copy them out of their heads' views once.
+        queries, keys, values = map(mx.contiguous, (queries, keys, values))
+        outputs = []
+        for start, stop in self.blocks():
+            outputs.append(attention(queries[:, :, start:stop], keys, values, self(start, stop)))
+            mx.eval(outputs[-1])  # so that one block's scores exist at a time
+        return mx.concatenate(outputs, axis=2)
 
 
 class Attention(nn.Module):
@@ -239,11 +267,7 @@ class Attention(nn.Module):
     ) -> mx.array:
         queries = self.split_heads(self.query_proj(x))
         if isinstance(mask, BlockMask):
-            blocks = []
-            for start, stop in mask.blocks():
-                blocks.append(attention(queries[:, :, start:stop], keys, values, mask(start, stop)))
-                mx.eval(blocks[-1])  # so that one block's scores exist at a time
-            out = mx.concatenate(blocks, axis=2)
+            out = mask.attend(queries, keys, values)
         else:
             out = attention(queries, keys, values, mask)
         batch, _, length, _ = out.shape
@@ -463,6 +487,19 @@ class DecoderCache:
 ENCODE_TOGETHER_RATIO = 2
 
 
+def encoder_passes(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The indices of ``prompts`` that each encoder pass takes, shortest
+    first: a pass takes the prompts of up to ``ENCODE_TOGETHER_RATIO`` times
+    the length of its shortest."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    passes = [[order[0]]]
+    for i in order[1:]:
+        if len(prompts[i]) > ENCODE_TOGETHER_RATIO * len(prompts[passes[-1][0]]):
+            passes.append([])
+        passes[-1].append(i)
+    return passes
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -527,23 +564,30 @@ class T5(nn.Module):
         # A quantized embedding dequantizes to its scales' type; keep the model's.
         return self.shared(tokens).astype(self.dtype)
 
-    def encode(self, inputs: mx.array, mask: mx.array | None = None) -> mx.array:
+    def encode(
+        self,
+        inputs: mx.array,
+        mask: mx.array | None = None,
+        on_layer: Callable[[], None] | None = None,
+    ) -> mx.array:
         """Encoder output [B, S, d_model] for token ids [B, S]; ``mask`` marks
-        real tokens with 1 and padding with 0."""
+        real tokens with 1 and padding with 0. Each layer is computed before
+        the next is built, and ``on_layer()`` called after it (progress)."""
         x = self.embed(inputs)
         batch, length = inputs.shape
-        padding = padding_mask(mask, x.dtype)
-        block_size = ENCODER_BLOCK_BYTES // (4 * batch * self.args.num_heads * length)
-        if block_size >= length:  # all scores at once
-            positions = mx.arange(length)[None]
-            attn_mask = self.encoder.position_bias(positions, length) + padding
-        else:
-            bias_table = self.encoder.position_bias.table(length)
-            attn_mask = BlockMask(bias_table, padding, length, max(block_size, 1))
+        attn_mask = BlockMask(
+            mx.contiguous(self.encoder.position_bias.table(length)),
+            None if mask is None else padding_mask(mask, x.dtype),
+            length,
+            encoder_block_size(batch, self.args.num_heads, length),
+        )
+        if len(attn_mask.blocks()) == 1:  # one block: one mask, made once for every layer
+            attn_mask = attn_mask(0, length)
         for layer in self.encoder.layers:
             x = layer(x, attn_mask)
-            if isinstance(attn_mask, BlockMask):
-                mx.eval(x)  # one layer's blocks at a time
+            mx.eval(x)  # one layer's blocks at a time
+            if on_layer is not None:
+                on_layer()
         return self.encoder.norm(x)
 
     def make_cache(self, memory: mx.array, mask: mx.array | None = None) -> DecoderCache:
@@ -559,29 +603,28 @@ class T5(nn.Module):
         prompt_lengths = [length] * batch if mask is None else mask.sum(axis=1).tolist()
         return DecoderCache(cross, prompt_lengths)
 
-    def prompt_cache(self, prompts: Sequence[Sequence[int]]) -> DecoderCache:
+    def prompt_cache(
+        self, prompts: Sequence[Sequence[int]], on_layer: Callable[[], None] | None = None
+    ) -> DecoderCache:
         """A fresh decoder cache for ``prompts`` (token ids), one row each in
-        order. Prompts of similar lengths are encoded in one pass, right-padded
-        to the longest with the padding masked. Computed here, so that prompt
-        processing ends when it returns."""
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        groups = [[order[0]]]
-        for i in order[1:]:
-            if len(prompts[i]) > ENCODE_TOGETHER_RATIO * len(prompts[groups[-1][0]]):
-                groups.append([])
-            groups[-1].append(i)
-        cache = self._encoded([prompts[i] for i in groups[0]])
-        for group in groups[1:]:
+        order, encoded in the passes of ``encoder_passes``; ``on_layer()`` is
+        called after each encoder layer of each pass. Computed here, so that
+        prompt processing ends when it returns."""
+        passes = encoder_passes(prompts)
+        cache = self._encoded([prompts[i] for i in passes[0]], on_layer)
+        for group in passes[1:]:
             size = len(cache.prompt_lengths)
-            cache.admit(
-                list(range(size, size + len(group))), self._encoded([prompts[i] for i in group])
-            )
+            encoded = self._encoded([prompts[i] for i in group], on_layer)
+            cache.admit(list(range(size, size + len(group))), encoded)
+        order = [i for group in passes for i in group]
         if order != sorted(order):  # rows in the order of ``prompts``
             cache.keep_rows([order.index(i) for i in range(len(prompts))])
         mx.eval(cache.cross_keys_values)
         return cache
 
-    def _encoded(self, prompts: Sequence[Sequence[int]]) -> DecoderCache:
+    def _encoded(
+        self, prompts: Sequence[Sequence[int]], on_layer: Callable[[], None] | None
+    ) -> DecoderCache:
         """A fresh decoder cache for ``prompts``, encoded in one padded pass."""
         width = max(map(len, prompts))
         pad = [self.args.pad_token_id]
@@ -589,7 +632,7 @@ class T5(nn.Module):
         mask = None
         if any(len(ids) < width for ids in prompts):
             mask = mx.arange(width) < mx.array([len(ids) for ids in prompts])[:, None]
-        return self.make_cache(self.encode(inputs, mask), mask)
+        return self.make_cache(self.encode(inputs, mask, on_layer), mask)
 
     def decode(self, decoder_inputs: mx.array, cache: DecoderCache) -> mx.array:
         """Logits [B, T, vocab] for the next token after each of the T new

@@ -37,6 +37,16 @@ CHECKPOINTS = {
     "overflowing": {"feed_forward_proj": "relu", "tied": True, "seed": 5},
     # The main model of the decoding tests.
     "main": {"feed_forward_proj": "gated-gelu", "tied": False, "seed": 4},
+    # One head and a wide feed-forward block: tests/test_memory.py's other shapes.
+    "wide_relu": {"num_heads": 1, "d_kv": 32, "d_ff": 1024, "seed": 11},
+    "wide_gated": {
+        "feed_forward_proj": "gated-gelu",
+        "tied": False,
+        "num_heads": 1,
+        "d_kv": 32,
+        "d_ff": 1024,
+        "seed": 12,
+    },
     # d_model 64: quantization groups of 32 and of 64 both divide every input width.
     # Their quantized logits are compared with a float64 twin's: PARITY too.
     "relu_tied_64": {"feed_forward_proj": "relu", "tied": True, **WIDTH_64, "seed": 6, **PARITY},

@@ -262,16 +262,26 @@ def test_sampling_is_reproducible_with_a_seed(regular, models, tmp_path):
     assert stats(first.stderr)[0] == stats(second.stderr)[0]
 
 
-def run_main_on_a_terminal(*args: str, cwd: Path, stream: str = "stdout") -> tuple[str, str]:
+def run_main_on_a_terminal(
+    *args: str, cwd: Path, stream: str = "stdout", prompt_bar_delay: float | None = None
+) -> tuple[str, str]:
     """``python main.py ARGS`` with its standard output (or, ``stream`` =
     "stderr", its standard error) on a pseudo-terminal; what it wrote there,
-    with the terminal's line ends undone, and what it wrote to the other."""
+    with the terminal's line ends undone, and what it wrote to the other.
+    ``prompt_bar_delay`` replaces ``main.PROMPT_BAR_DELAY``."""
+    command = [sys.executable, str(MAIN_PY), *args]
+    if prompt_bar_delay is not None:
+        code = (
+            f"import sys; sys.path.insert(0, {str(ROOT)!r}); import main; "
+            f"main.PROMPT_BAR_DELAY = {prompt_bar_delay}; sys.exit(main.main(sys.argv[1:]))"
+        )
+        command = [sys.executable, "-c", code, *args]
     terminal, child_end = pty.openpty()
     # 24 rows of 80 columns: a new pseudo-terminal has 0 of each, too narrow for a progress bar.
     fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: child_end}
     process = subprocess.Popen(
-        [sys.executable, str(MAIN_PY), *args],
+        command,
         cwd=cwd,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         stdin=subprocess.DEVNULL,
@@ -1134,3 +1144,26 @@ def test_the_batch_summary_keeps_calibration_apart(capsys):
     stderr = capsys.readouterr().err
     assert "Generation: 40 tokens, 40.0 tokens/s (1.0 s of wall time" in stderr
     assert "Main-model passes: 18" in stderr and "Calibration: 2.0 s" in stderr
+
+
+@pytest.mark.parametrize("prompts", [False, True], ids=["--prompt", "--prompts"])
+def test_prompt_processing_shows_its_progress_on_a_terminal_only(
+    prompts, models, greedy_reference, single_results, tmp_path
+):
+    """On a terminal, a bar counts the encoder layers computed (the main
+    model's and the draft's: 2 + 2 per padded pass) once processing takes longer
+    than main.PROMPT_BAR_DELAY (here 0), and is cleared; redirected, nothing."""
+    (tmp_path / "prompts.txt").write_text(PROMPTS_FILE)
+    args = [*model_args(models), *(["--prompts", "prompts.txt", *BATCH] if prompts else GENERATE)]
+    label = "processing prompts" if prompts else "processing the prompt"
+    on_terminal, stdout = run_main_on_a_terminal(
+        *args, cwd=tmp_path, stream="stderr", prompt_bar_delay=0
+    )
+    if prompts:
+        assert stdout == "".join(f"{single['text']}\n" for single in single_results)
+    else:
+        assert generated_text(stdout) == greedy_reference.text
+    # tqdm draws at most every 0.1 s: the frames seen may stop short of the end.
+    assert re.search(f"{label}: \\d/(4|8) layer \\[", on_terminal), on_terminal
+    redirected = run_main(*args, cwd=tmp_path)
+    assert redirected.returncode == 0 and f"{label}:" not in redirected.stderr

@@ -36,10 +36,10 @@ class CopyingModel:
         self.model = model
         self.args = model.args
 
-    def prompt_cache(self, prompts: list[list[int]]):
+    def prompt_cache(self, prompts: list[list[int]], on_layer=None):
         (prompt,) = prompts
         self.source = mx.array(prompt[:-1])  # the prompt without its end of sequence
-        return self.model.prompt_cache(prompts)
+        return self.model.prompt_cache(prompts, on_layer)
 
     def encode(self, prompt_ids: mx.array) -> mx.array:
         self.source = prompt_ids[0, :-1]  # the prompt without its end of sequence

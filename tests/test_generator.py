@@ -194,3 +194,46 @@ def test_row_sampling_applies_each_rows_setting():
     for row, setting in enumerate(settings):
         alone = setting.probabilities(logits[row : row + 1])
         assert mx.allclose(mixed[row : row + 1], alone, atol=1e-6).item(), setting
+
+
+@pytest.mark.parametrize("mode", ["draft model", "prompt lookup", "regular"])
+@pytest.mark.parametrize(
+    ("prompts", "passes"),
+    [([PROMPTS[1], PROMPTS[5]], 1), ([PROMPTS[0], PROMPTS[2]], 2)],
+    ids=["one pass", "two passes"],
+)
+def test_prompt_progress_counts_every_encoder_layer(mode, prompts, passes, decoding_pair):
+    """``prompt_progress`` gets (0, total), then (k, total) after each encoder
+    layer of every model that encodes the prompts, in every padded pass."""
+    main_model, draft_model, tokenizer = decoding_pair
+    decoder = SpeculativeDecoder(
+        main_model,
+        draft_model if mode == "draft model" else None,
+        tokenizer,
+        num_draft=2,
+        prompt_lookup=2 if mode == "prompt lookup" else 0,
+    )
+    layers = main_model.args.num_layers
+    if mode == "draft model":
+        layers += draft_model.args.num_layers
+    calls = []
+    events = decoder.stream_batch(
+        prompts,
+        speculative=mode != "regular",
+        max_tokens=3,
+        prompt_progress=lambda done, total: calls.append((done, total)),
+    )
+    next(events)  # the batch's prompts are encoded before its first round
+    total = passes * layers
+    assert calls == [(done, total) for done in range(total + 1)]
+    # A single prompt: a batch of one, one pass.
+    calls.clear()
+    list(
+        decoder.stream(
+            PROMPTS[3],
+            speculative=mode != "regular",
+            prompt_progress=lambda *c: calls.append(c),
+            max_tokens=2,
+        )
+    )
+    assert calls == [(done, layers) for done in range(layers + 1)]

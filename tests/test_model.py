@@ -57,14 +57,22 @@ def transformers_logits(
 
 
 # On the CPU a 150-token prompt's encoder attention takes model.softmax_cpu's
-# path (2 x 4 heads x 150 x 150 scores), a 23-token one the built-in softmax.
-@pytest.mark.parametrize("prompt_length", [23, 150])
+# path (2 x 4 heads x 150 x 150 scores), a 23-token one the built-in softmax;
+# "150/37": the encoder attends over blocks of 37 queries (the last shorter),
+# as it does for long prompts, each block's position bias a view of one table.
+@pytest.mark.parametrize("prompt_length, block", [(23, None), (150, None), (150, 37)])
 @pytest.mark.parametrize("name", PARITY_CONFIGS)
-def test_logits_match_transformers(name, prompt_length, hf_checkpoint, converted):
+def test_logits_match_transformers(
+    name, prompt_length, block, hf_checkpoint, converted, monkeypatch
+):
     model = load_model(converted(name))
     vocab_size = model.args.vocab_size
     encoder_scores = 2 * model.args.num_heads * prompt_length**2
     assert (encoder_scores >= model_module.SOFTMAX_CPU_MIN_SCORES) == (prompt_length == 150)
+    assert 4 * encoder_scores <= model_module.ENCODER_BLOCK_BYTES  # one block unless asked
+    if block is not None:
+        block_bytes = 4 * 2 * model.args.num_heads * prompt_length * block
+        monkeypatch.setattr(model_module, "ENCODER_BLOCK_BYTES", block_bytes)
     inputs = random_ids((2, prompt_length), vocab_size, seed=1)
     decoder_inputs = random_ids((2, 17), vocab_size, seed=2)
     decoder_inputs[:, 0] = 0
