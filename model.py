@@ -124,21 +124,29 @@ class RelativePositionBias(nn.Module):
         return self.embeddings(buckets).T
 
 
+# On the CPU, products over at most this many rows (decoder steps, verify
+# passes, short prompts) take Linear's weight-streaming form.
+STREAMING_ROWS = 512
+
+
 class Linear(nn.Linear):
-    """``x W^T`` without bias. On the CPU, a projection of a single row to
-    fewer features than it reads (the output projections, ``wo``) is
-    computed as ``(W x^T)^T``: the same numbers, but OpenBLAS then streams
-    ``W`` instead of first copying all of it. With more rows (a batch, a
-    verify pass) that form makes OpenBLAS run a product with few columns,
-    up to twice as slow as ``x W^T``."""
+    """``x W^T`` without bias. On the CPU, a product over at most
+    ``STREAMING_ROWS`` rows is computed as ``(W x^T)^T``, every row of the
+    batch in one product: the same function, but OpenBLAS then streams ``W``
+    through its kernels instead of first copying all of it into its packed
+    layout. Measured (Zen 4 with AVX-512, and with the Haswell kernels
+    forced): 1.5-3.3x faster for the projections that narrow (``wo``,
+    ``out_proj``) at 1-64 rows, and never slower up to 512 rows. A batched
+    ``W @ x^T`` (one product per row) would stream ``W`` once per row."""
 
     def __init__(self, input_dims: int, output_dims: int):
         super().__init__(input_dims, output_dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        output_dims, input_dims = self.weight.shape
-        if x.size == input_dims and output_dims < input_dims and mx.default_device() == mx.cpu:
-            return (self.weight @ x.swapaxes(-1, -2)).swapaxes(-1, -2)
+        rows = x.size // x.shape[-1]
+        if rows <= STREAMING_ROWS and mx.default_device() == mx.cpu:
+            flat = x.reshape(rows, x.shape[-1])
+            return (self.weight @ flat.T).T.reshape(*x.shape[:-1], -1)
         return x @ self.weight.T
 
 
