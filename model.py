@@ -134,9 +134,8 @@ class Linear(nn.Linear):
     ``STREAMING_ROWS`` rows is computed as ``(W x^T)^T``, every row of the
     batch in one product: the same function, but OpenBLAS then streams ``W``
     through its kernels instead of first copying all of it into its packed
-    layout. Measured (Zen 4 with AVX-512, and with the Haswell kernels
-    forced): 1.5-3.3x faster for the projections that narrow (``wo``,
-    ``out_proj``) at 1-64 rows, and never slower up to 512 rows. A batched
+    layout: a main-model verify pass of the benchmark pair over 1 row x 4
+    tokens took 0.83x the time of ``x W^T`` (docs/benchmarks.md). A batched
     ``W @ x^T`` (one product per row) would stream ``W`` once per row."""
 
     def __init__(self, input_dims: int, output_dims: int):
