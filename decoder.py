@@ -47,7 +47,7 @@ from drafting import (
     pass_times,
     trim_to,
 )
-from model import T5, DecoderCache, ModelArgs, encoder_passes, load_config
+from model import T5, DecoderCache, ModelArgs, compacted_rows, encoder_passes, load_config
 from sampling import RowSampling, Sampling, row_key, split_keys, verify
 
 
@@ -346,13 +346,14 @@ class BatchGenerator:
         """Remove from the caches the free places held long enough (all of
         them when no prompt decodes)."""
         idle = not any(self.rows)
-        kept = [
-            i
+        staying = [
+            row is not None or (not idle and self.rounds - self.freed[i] < HOLD_FREE_ROWS)
             for i, row in enumerate(self.rows)
-            if row is not None or (not idle and self.rounds - self.freed[i] < HOLD_FREE_ROWS)
         ]
-        if len(kept) == len(self.rows):
+        if all(staying):
             return
+        # Rows from the end take the places that leave: the caches copy those rows alone.
+        kept = compacted_rows(staying)
         self.freed = {
             new: self.freed[old] for new, old in enumerate(kept) if self.rows[old] is None
         }

@@ -329,6 +329,38 @@ class EncoderLayer(nn.Module):
         return clamp_float16(x + self.ff(self.ff_norm(x)))
 
 
+def keep_buffer_rows(buffer: mx.array, rows: list[int]) -> mx.array:
+    """A buffer whose first ``len(rows)`` rows (axis 0) are ``buffer[rows]``;
+    rows past them are left unused. When ``rows`` is in the order of
+    ``compacted_rows``, only the rows moving into dropped places are copied,
+    into ``buffer`` itself; otherwise all are gathered into a new buffer.
+    (Gathering every cache of a 32-row batch of the benchmark pair into new
+    memory took 50-800 ms, mostly first touches of fresh pages.)"""
+    moved = [i for i, row in enumerate(rows) if row != i]
+    if any(rows[i] < len(rows) for i in moved):
+        return buffer[mx.array(rows)]
+    if moved:
+        source = buffer[mx.array([rows[i] for i in moved])]
+        mx.eval(source)  # first, so that the writes below reuse buffer's memory
+        for k, i in enumerate(moved):  # row writes: a scatter took 3x as long
+            buffer[i : i + 1] = source[k : k + 1]
+    return buffer
+
+
+def compacted_rows(staying: list[bool]) -> list[int]:
+    """The rows to keep, where ``staying[i]`` says whether row i stays, in
+    the order ``keep_buffer_rows`` copies least for: the staying rows among the
+    first ``sum(staying)`` keep their places, and those past them fill the
+    places of the rows that leave."""
+    count = sum(staying)
+    order = list(range(count))
+    holes = [i for i in order if not staying[i]]
+    tail = [i for i in range(count, len(staying)) if staying[i]]
+    for hole, row in zip(holes, tail, strict=True):
+        order[hole] = row
+    return order
+
+
 class KVCache:
     """Self-attention keys and values of one decoder layer, for a batch of
     rows that each have their own length (rows of a speculative batch
@@ -338,35 +370,38 @@ class KVCache:
     positions, so appending is a write, not a concatenation. ``trim`` only
     moves a row's end marker: what lies past it is hidden by the causal mask
     (it is "later" than every query of the row) and overwritten by the row's
-    next tokens.
+    next tokens. The storage may hold more rows than the batch (rows that
+    left it, see ``keep_buffer_rows``): the batch is its first ``len(lengths)``.
     """
 
     step = 256
 
     def __init__(self, batch_size: int = 1):
-        self.keys: mx.array | None = None
+        self.keys: mx.array | None = None  # [rows held, heads, capacity, d_kv]
         self.values: mx.array | None = None
         self.lengths = [0] * batch_size
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append [B, heads, T, d_kv] keys/values to every row; return the
         cache up to the longest row."""
-        length = keys.shape[2]
+        batch, heads, length, dim = keys.shape
         end = max(self.lengths) + length
-        if self.keys is None or end > self.keys.shape[2]:
+        if self.keys is None or end > self.keys.shape[2] or batch > self.keys.shape[0]:
             self._grow(keys, values, end)
         if min(self.lengths) == max(self.lengths):  # one write for all rows
             start = self.lengths[0]
-            self.keys[..., start:end, :] = keys
-            self.values[..., start:end, :] = values
+            self.keys[:batch, :, start:end, :] = keys
+            self.values[:batch, :, start:end, :] = values
         else:
-            batch, heads, _, dim = keys.shape
-            positions = mx.array(self.lengths)[:, None] + mx.arange(length)
-            index = mx.broadcast_to(positions[:, None, :, None], (batch, heads, length, dim))
-            self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
-            self.values = mx.put_along_axis(self.values, index, values, axis=2)
+            # Every row held is written: the unused ones at 0, with zeros.
+            held = self.keys.shape[0]
+            starts = self.lengths + [0] * (held - batch)
+            positions = mx.array(starts)[:, None] + mx.arange(length)
+            index = mx.broadcast_to(positions[:, None, :, None], (held, heads, length, dim))
+            self.keys = mx.put_along_axis(self.keys, index, pad_to(keys, held, 0), axis=2)
+            self.values = mx.put_along_axis(self.values, index, pad_to(values, held, 0), axis=2)
         self.lengths = [n + length for n in self.lengths]
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return self.keys[:batch, :, :end, :], self.values[:batch, :, :end, :]
 
     def _grow(self, keys: mx.array, values: mx.array, end: int) -> None:
         batch, heads, _, dim = keys.shape
@@ -374,9 +409,9 @@ class KVCache:
         new_keys = mx.zeros((batch, heads, capacity, dim), keys.dtype)
         new_values = mx.zeros((batch, heads, capacity, dim), values.dtype)
         if self.keys is not None:
-            kept = max(self.lengths)
-            new_keys[..., :kept, :] = self.keys[..., :kept, :]
-            new_values[..., :kept, :] = self.values[..., :kept, :]
+            rows, kept = min(batch, self.keys.shape[0]), max(self.lengths)
+            new_keys[:rows, :, :kept, :] = self.keys[:rows, :, :kept, :]
+            new_values[:rows, :, :kept, :] = self.values[:rows, :, :kept, :]
         self.keys, self.values = new_keys, new_values
 
     def trim(self, counts: int | list[int]) -> None:
@@ -386,21 +421,17 @@ class KVCache:
         self.lengths = [max(0, n - c) for n, c in zip(self.lengths, counts, strict=True)]
 
     def admit(self, rows: list[int]) -> None:
-        """Empty ``rows`` for new prompts; rows at or past the batch size are added."""
-        added = max(rows) + 1 - len(self.lengths)
-        if added > 0:
-            self.lengths += [0] * added
-            if self.keys is not None:
-                widths = [(0, added)] + [(0, 0)] * (self.keys.ndim - 1)
-                self.keys, self.values = mx.pad(self.keys, widths), mx.pad(self.values, widths)
+        """Empty ``rows`` for new prompts; rows at or past the batch size are
+        added (the storage grows at the next write if it holds too few)."""
+        self.lengths += [0] * (max(rows) + 1 - len(self.lengths))
         for row in rows:
             self.lengths[row] = 0
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only ``rows``, in that order."""
+        """Keep only ``rows``, in that order (see ``keep_buffer_rows``)."""
         if self.keys is not None:
-            index = mx.array(rows)
-            self.keys, self.values = self.keys[index], self.values[index]
+            self.keys = keep_buffer_rows(self.keys, rows)
+            self.values = keep_buffer_rows(self.values, rows)
         self.lengths = [self.lengths[row] for row in rows]
 
 
@@ -426,14 +457,22 @@ class DecoderCache:
         prompt_lengths: list[int],
     ):
         self.self_attn = [KVCache(len(prompt_lengths)) for _ in cross_keys_values]
-        self.cross_keys_values = cross_keys_values
+        # Per layer, [rows held, heads, prompt width, d_kv]: the batch is
+        # the first len(prompt_lengths) rows, as in KVCache.
+        self.cross_buffers = cross_keys_values
         self.prompt_lengths = prompt_lengths
         self._update_memory_mask()
 
+    @property
+    def cross_keys_values(self) -> list[tuple[mx.array, mx.array]]:
+        """Per layer, the cross-attention keys and values of the batch's rows."""
+        batch = len(self.prompt_lengths)
+        return [(keys[:batch], values[:batch]) for keys, values in self.cross_buffers]
+
     def _update_memory_mask(self) -> None:
-        width = self.cross_keys_values[0][0].shape[2]
-        real = mx.arange(width) < mx.array(self.prompt_lengths)[:, None]
-        self.memory_mask = padding_mask(real, self.cross_keys_values[0][0].dtype)
+        keys = self.cross_buffers[0][0]
+        real = mx.arange(keys.shape[2]) < mx.array(self.prompt_lengths)[:, None]
+        self.memory_mask = padding_mask(real, keys.dtype)
 
     @property
     def lengths(self) -> list[int]:
@@ -459,19 +498,20 @@ class DecoderCache:
         """Give ``rows`` the prompts of the fresh ``cache`` (one row each, in
         order), with no decoder positions; rows at or past the batch size are
         added. A longer prompt widens every row's cross-attention."""
-        width = max(self.cross_keys_values[0][0].shape[2], max(cache.prompt_lengths))
+        width = max(self.cross_buffers[0][0].shape[2], max(cache.prompt_lengths))
         batch_size = max(len(self.prompt_lengths), max(rows) + 1)
         index = mx.array(rows)
         cross = []
-        for batch_kv, new_kv in zip(self.cross_keys_values, cache.cross_keys_values):
+        for batch_kv, new_kv in zip(self.cross_buffers, cache.cross_keys_values):
             arrays = []
-            for batch_array, new_array in zip(batch_kv, new_kv):
-                batch_array = pad_to(pad_to(batch_array, width, 2), batch_size, 0)
-                batch_array[index] = pad_to(new_array, width, 2)
-                arrays.append(batch_array)
+            for buffer, new_array in zip(batch_kv, new_kv):
+                buffer = pad_to(pad_to(buffer, width, 2), batch_size, 0)
+                buffer[index] = pad_to(new_array, width, 2)
+                arrays.append(buffer)
             cross.append(tuple(arrays))
+        # Replaced before they are computed, so that the writes reuse the buffers' memory.
+        self.cross_buffers = cross
         mx.eval(cross)
-        self.cross_keys_values = cross
         self.prompt_lengths += [0] * (batch_size - len(self.prompt_lengths))
         for row, length in zip(rows, cache.prompt_lengths, strict=True):
             self.prompt_lengths[row] = length
@@ -481,8 +521,10 @@ class DecoderCache:
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows``, in that order."""
-        index = mx.array(rows)
-        self.cross_keys_values = [(k[index], v[index]) for k, v in self.cross_keys_values]
+        self.cross_buffers = [
+            (keep_buffer_rows(keys, rows), keep_buffer_rows(values, rows))
+            for keys, values in self.cross_buffers
+        ]
         self.prompt_lengths = [self.prompt_lengths[row] for row in rows]
         self._update_memory_mask()
         for cache in self.self_attn:

@@ -21,7 +21,7 @@ from test_sampling_distribution import (
 )
 
 from decoder import SpeculativeDecoder
-from model import DecoderCache, KVCache
+from model import DecoderCache, KVCache, compacted_rows
 from sampling import Sampling
 
 # Prompts of very different lengths (3 to about 160 tokens).
@@ -232,6 +232,45 @@ def test_admitted_and_kept_rows_score_as_alone(decoding_pair):
         reference = np.array(reference)
         difference = np.abs(np.array(logits[row : row + 1]) - reference).max()
         assert difference <= 1e-5 * max(np.abs(reference).max(), 1.0)
+
+
+def test_rows_compacted_in_place_score_as_alone(decoding_pair):
+    """Rows 1 and 3 of five leave in the order ``compacted_rows`` gives
+    (row 4 moves into place 1, in the same buffers), then a new prompt takes
+    a fourth row, one the buffers still hold with row 3's stale keys: every
+    row scores as if decoded alone, also after decoding on."""
+    model = decoding_pair[0]
+    rng = np.random.default_rng(2)
+    vocab = model.args.vocab_size
+    prompts = [rng.integers(2, vocab, n).tolist() + [1] for n in (6, 11, 4, 9, 14)]
+    decoded = [[0] + rng.integers(2, vocab, 3).tolist() for _ in prompts]
+    batch = model.prompt_cache(prompts)
+    model.decode(mx.array(decoded), batch)
+    batch.trim([1, 0, 2, 0, 1])
+    decoded = [tokens[: len(tokens) - trim] for tokens, trim in zip(decoded, [1, 0, 2, 0, 1])]
+    order = compacted_rows([True, False, True, False, True])
+    assert order == [0, 4, 2]
+    batch.keep_rows(order)
+    assert batch.self_attn[0].keys.shape[0] == 5  # the buffers were kept, not gathered
+    prompts, decoded = [prompts[i] for i in order], [decoded[i] for i in order]
+    new_prompt = rng.integers(2, vocab, 7).tolist() + [1]
+    batch.admit([3], model.prompt_cache([new_prompt]))
+    prompts.append(new_prompt)
+    decoded.append([])
+    for _ in range(2):
+        new_tokens = [
+            [0] if not tokens else rng.integers(2, vocab, 2).tolist() for tokens in decoded
+        ]
+        width = max(map(len, new_tokens))
+        padded = [tokens + [0] * (width - len(tokens)) for tokens in new_tokens]
+        logits = model.decode(mx.array(padded), batch)
+        batch.trim([width - len(tokens) for tokens in new_tokens])
+        for row, (prompt, tokens) in enumerate(zip(prompts, decoded)):
+            tokens += new_tokens[row]
+            count = len(new_tokens[row])
+            reference = np.array(model(mx.array([prompt]), mx.array([tokens]))[0, -count:])
+            difference = np.abs(np.array(logits[row, :count]) - reference).max()
+            assert difference <= 1e-5 * max(np.abs(reference).max(), 1.0), row
 
 
 def sample_rows(decoder, prompt=PROMPT, copies=RUNS) -> list[tuple]:
