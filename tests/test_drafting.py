@@ -13,6 +13,7 @@ from drafting import (
     best_num_draft,
     expected_tokens_per_round,
     find_continuation,
+    piecewise_linear,
 )
 
 PROMPTS = [
@@ -86,6 +87,18 @@ def test_expected_tokens_per_round_is_the_papers():
     assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
     assert expected_tokens_per_round(0.0, 4) == 1.0
     assert expected_tokens_per_round(1.0, 3) == 4.0
+
+
+def test_pass_times_between_and_past_the_timed_lengths():
+    """auto's v(k): the timed values at the timed lengths, the line between
+    them in between, and the last segment's line past the last one."""
+    values = piecewise_linear([1, 2, 4, 9], [1.0, 1.5, 2.0, 4.0], 12)
+    assert len(values) == 12
+    assert values[:4] == pytest.approx([1.0, 1.5, 1.75, 2.0])
+    assert values[8] == pytest.approx(4.0)
+    assert values[5] == pytest.approx(2.0 + 2 * 0.4)  # 6, on the segment from 4 to 9
+    assert values[11] == pytest.approx(4.0 + 3 * 0.4)  # 12, the 4-to-9 line extended
+    assert piecewise_linear([1], [3.0], 1) == [3.0]
 
 
 def test_best_num_draft():
