@@ -163,7 +163,7 @@ def test_trim_then_decode_equals_never_feeding_those_tokens(converted):
 def test_cache_grows_past_its_first_chunk(converted):
     model = load_model(converted("relu_tied"))
     inputs = mx.array(random_ids((1, 6), model.args.vocab_size, seed=9))
-    # 300 positions: beyond the cache's first 256-position chunk.
+    # 300 positions: the cache grows chunk by chunk (KVCache.step), also inside a pass.
     decoder_inputs = mx.array(random_ids((1, 300), model.args.vocab_size, seed=10))
     chunked = decode_step_by_step(model, inputs, decoder_inputs, [250, 1, 49])
     error = mx.abs(chunked - model(inputs, decoder_inputs)).max().item()
