@@ -19,6 +19,7 @@ from test_sampling_distribution import (
 )
 
 from decoder import HOLD_FREE_ROWS, SpeculativeDecoder
+from model import encoder_passes
 from sampling import RowSampling, Sampling
 
 MAX_NEW = 12
@@ -199,7 +200,7 @@ def test_row_sampling_applies_each_rows_setting():
 @pytest.mark.parametrize("mode", ["draft model", "prompt lookup", "regular"])
 @pytest.mark.parametrize(
     ("prompts", "passes"),
-    [([PROMPTS[1], PROMPTS[5]], 1), ([PROMPTS[0], PROMPTS[2]], 2)],
+    [([PROMPTS[3], PROMPTS[9]], 1), ([PROMPTS[0], PROMPTS[2]], 2)],
     ids=["one pass", "two passes"],
 )
 def test_prompt_progress_counts_every_encoder_layer(mode, prompts, passes, decoding_pair):
@@ -213,6 +214,8 @@ def test_prompt_progress_counts_every_encoder_layer(mode, prompts, passes, decod
         num_draft=2,
         prompt_lookup=2 if mode == "prompt lookup" else 0,
     )
+    # The prompts are of lengths that take this many passes (see ENCODE_TOGETHER_RATIO).
+    assert len(encoder_passes([decoder.prompt_ids(prompt) for prompt in prompts])) == passes
     layers = main_model.args.num_layers
     if mode == "draft model":
         layers += draft_model.args.num_layers
