@@ -130,20 +130,29 @@ STREAMING_ROWS = 512
 
 
 class Linear(nn.Linear):
-    """``x W^T`` without bias. On the CPU, a product over at most
-    ``STREAMING_ROWS`` rows is computed as ``(W x^T)^T``, every row of the
-    batch in one product: the same function, but OpenBLAS then streams ``W``
-    through its kernels instead of first copying all of it into its packed
-    layout: a main-model verify pass of the benchmark pair over 1 row x 4
-    tokens took 0.83x the time of ``x W^T`` (docs/benchmarks.md). A batched
-    ``W @ x^T`` (one product per row) would stream ``W`` once per row."""
+    """``x W^T`` without bias, in the form OpenBLAS computes fastest on the
+    CPU (docs/benchmarks.md has the measurements):
+
+    - A weight with more outputs than inputs (the feed-forward's ``wi``, an
+      untied ``lm_head``) is kept in memory as ``W^T``, [in, out] row by row,
+      by :func:`store_for_cpu` (its shape stays [out, in]). ``x W^T`` then
+      reads it in place: 1.1-1.7x faster than the forms below at 1 to 32
+      rows, and no slower over many.
+    - Any other weight, over at most ``STREAMING_ROWS`` rows, is computed as
+      ``(W x^T)^T``, every row of the batch in one product: OpenBLAS then
+      streams ``W`` through its kernels instead of first copying all of it
+      into its packed layout (1 row x 4 tokens of the benchmark pair's main
+      model: 0.83x the time of ``x W^T``). A batched ``W @ x^T`` (one
+      product per row) would stream ``W`` once per row.
+    """
 
     def __init__(self, input_dims: int, output_dims: int):
         super().__init__(input_dims, output_dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
-        if rows <= STREAMING_ROWS and mx.default_device() == mx.cpu:
+        output_dims, input_dims = self.weight.shape
+        if output_dims <= input_dims and rows <= STREAMING_ROWS and mx.default_device() == mx.cpu:
             flat = x.reshape(rows, x.shape[-1])
             return (self.weight @ flat.T).T.reshape(*x.shape[:-1], -1)
         return x @ self.weight.T
@@ -773,6 +782,33 @@ def load_config(path: str | Path) -> ModelArgs:
         ) from None
 
 
+def store_for_cpu(model: T5) -> None:
+    """Keep each float32 weight that computes more outputs than it reads
+    inputs (a :class:`Linear`'s, or the embedding when it is also the output
+    projection) in memory as its transpose: the layout OpenBLAS reads
+    fastest at few rows (see :class:`Linear`). Shapes do not change, only
+    where elements lie, so every result is the same function. In place, one
+    weight at a time: memory grows by one weight at most.
+
+    Tied logits of T5-small's shape ([32128, 512]) at 1 and 8 rows took 0.66x
+    and 0.68x the time; looking up the embedding of many tokens gets slower
+    (1,000 tokens: 15 ms instead of 1), next to their encoding. Half-precision
+    products are not OpenBLAS's, and gained nothing: they keep their layout."""
+    wide = [
+        module
+        for module in model.modules()
+        if type(module) is Linear and module.weight.shape[0] > module.weight.shape[1]
+    ]
+    if model.args.tie_word_embeddings and type(model.shared) is nn.Embedding:
+        wide.append(model.shared)
+    for module in wide:
+        if module.weight.dtype != mx.float32:
+            continue
+        transposed = mx.contiguous(module.weight.T)
+        mx.eval(transposed)
+        module.weight = transposed.T  # a view: shaped [out, in], laid out [in, out]
+
+
 def load_model(path: str | Path) -> T5:
     """Load a model directory written by ``convert.py``, quantized or not.
 
@@ -792,6 +828,9 @@ def load_model(path: str | Path) -> T5:
             scaled = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
             quantize(model, args.quantization, scaled)
         model.load_weights(list(weights.items()))
+        del weights  # the model holds them now: each weight store_for_cpu copies is freed
+        if mx.default_device() == mx.cpu:
+            store_for_cpu(model)
         mx.eval(model.parameters())
     except (ValueError, RuntimeError) as error:
         reason = " ".join(str(error).split())  # MLX's message spans lines

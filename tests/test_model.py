@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from fixtures import assert_within, load_hf
+from mlx.utils import tree_flatten
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import model as model_module
@@ -105,6 +106,38 @@ def test_untied_fixture_uses_its_own_output_projection(converted):
     assert not model.args.tie_word_embeddings
     assert not model.args.scale_decoder_outputs
     assert not mx.array_equal(model.lm_head.weight, model.shared.weight)
+
+
+def row_major(weight: mx.array) -> bool:
+    """Whether ``weight``'s rows lie one after another in memory."""
+    return np.asarray(weight).flags.c_contiguous
+
+
+@pytest.mark.parametrize("name", ["relu_tied", "gated_untied"])
+def test_wide_weights_are_stored_transposed_for_the_same_function(name, converted):
+    """On the CPU, load_model lays out the weights with more outputs than inputs
+    transposed (the parity tests judge that model); the function stays the same
+    as the checkpoint's layout computes it, within round-off."""
+    model = load_model(converted(name))
+    layer = model.decoder.layers[0]
+    wide = [layer.ff.wi_0, layer.ff.wi_1, model.lm_head] if name == "gated_untied" else []
+    wide += [layer.ff.wi] if name == "relu_tied" else []
+    assert all(w.weight.shape[0] > w.weight.shape[1] for w in wide)
+    assert not any(row_major(w.weight) for w in wide)
+    assert row_major(layer.ff.wo.weight) and row_major(layer.self_attn.query_proj.weight)
+    assert row_major(model.shared.weight) == (name == "gated_untied")
+
+    as_stored = model_module.T5(model.args)
+    as_stored.load_weights(str(converted(name) / "weights.npz"))
+    mx.eval(as_stored.parameters())
+    assert row_major(as_stored.decoder.layers[0].ff.wo.weight)
+    assert all(row_major(w) for _, w in tree_flatten(as_stored.parameters()))
+    inputs = mx.array(random_ids((2, 9), model.args.vocab_size, seed=5))
+    decoder_inputs = mx.array(random_ids((2, 7), model.args.vocab_size, seed=6))
+    expected = np.array(as_stored(inputs, decoder_inputs))
+    np.testing.assert_allclose(
+        np.array(model(inputs, decoder_inputs)), expected, rtol=0, atol=CACHE_TOLERANCE
+    )
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
