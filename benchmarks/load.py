@@ -224,6 +224,19 @@ async def soak_request(client: httpx.AsyncClient, url: str, i: int, prompts, max
     return out
 
 
+async def settled_health(client: httpx.AsyncClient, url: str, timeout: float) -> dict:
+    """The server's /health once no row is active or waiting, or as it is
+    after ``timeout`` seconds. The server learns that a client left when it
+    next writes to it, and frees the row in the round after: a moment after
+    the client is gone, not at once."""
+    deadline = time.perf_counter() + timeout
+    while True:
+        health = (await client.get(url + "/health")).json()
+        if health["active"] == health["waiting"] == 0 or time.perf_counter() > deadline:
+            return health
+        await asyncio.sleep(0.05)
+
+
 async def soak(
     url: str,
     prompts: list[str],
@@ -271,7 +284,7 @@ async def soak(
                     )
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        health = (await client.get(url + "/health")).json()
+        health = await settled_health(client, url, request_timeout)
     for name in ("lost", "duplicated", "mismatched", "bad with the wrong status"):
         tally.setdefault(name, 0)
     return {**tally, "health": health}
