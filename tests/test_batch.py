@@ -13,6 +13,7 @@ from fixtures import cheap_drafts
 from test_sampling_distribution import (
     MAX_TOKENS,
     NUM_DRAFT,
+    POWER_RUNS,
     PROMPT,
     RUNS,
     TEMP,
@@ -316,5 +317,5 @@ def test_the_sampling_check_catches_wrong_per_row_bookkeeping(bug, sampling_sett
     (model, draft_model, tokenizer), distribution = sampling_setting
     decoder = SpeculativeDecoder(model, draft_model, tokenizer, num_draft=NUM_DRAFT)
     monkeypatch.setattr(*BUGS[bug])
-    counts = Counter(sample_rows(decoder))
+    counts = Counter(sample_rows(decoder, copies=POWER_RUNS))
     assert chi_square_p_value(counts, distribution) < 1e-4

@@ -23,6 +23,10 @@ from sampling import Sampling
 
 PROMPT = "translate English to German: the old man walks to the market."
 RUNS = 2000
+# The power checks (a wrong rule must fail the check) draw a quarter as many:
+# a wrong distribution's chi-square statistic grows in proportion to the
+# runs, so what the check rejects from POWER_RUNS it rejects from RUNS.
+POWER_RUNS = RUNS // 4
 TEMP = 0.1
 NUM_DRAFT = 2
 # 3 tokens are generated so that the first round drafts 2 of them: the
@@ -57,9 +61,11 @@ def exact_distribution(model, prompt_ids, sampling: Sampling) -> dict[tuple, flo
     return distribution
 
 
-def sample_outputs(decoder: SpeculativeDecoder, sampling: Sampling, prompt=PROMPT) -> Counter:
+def sample_outputs(
+    decoder: SpeculativeDecoder, sampling: Sampling, prompt=PROMPT, runs=RUNS
+) -> Counter:
     counts = Counter()
-    for seed in range(RUNS):
+    for seed in range(runs):
         result = decoder.speculative_decode(
             prompt,
             max_tokens=MAX_TOKENS,
@@ -79,10 +85,11 @@ def chi_square_p_value(counts: Counter, distribution: dict[tuple, float]) -> flo
     the likely outcomes can hold all the mass: the rest is then float32
     round-off, exactly 0 with some BLAS kernels, and a bucket of its own made
     the statistic 0/0.)"""
-    likely = [o for o, p in distribution.items() if p * RUNS >= 5]
+    runs = sum(counts.values())
+    likely = [o for o, p in distribution.items() if p * runs >= 5]
     observed = [counts[o] for o in likely]
-    expected = [distribution[o] * RUNS for o in likely]
-    rest_observed, rest_expected = RUNS - sum(observed), RUNS - sum(expected)
+    expected = [distribution[o] * runs for o in likely]
+    rest_observed, rest_expected = runs - sum(observed), runs - sum(expected)
     assert len(likely) >= 3, "too few likely outcomes for a meaningful test"
     assert rest_expected >= 5 or rest_observed == 0
     if rest_expected >= 5:
@@ -157,7 +164,7 @@ def test_the_check_catches_a_wrong_rule(setting, rule, monkeypatch):
     decoder, prompt_ids = setting
     sampling = Sampling(temp=TEMP)
     monkeypatch.setattr(decoder_module, "verify", miswritten_verify(rule))
-    counts = sample_outputs(decoder, sampling)
+    counts = sample_outputs(decoder, sampling, runs=POWER_RUNS)
     distribution = exact_distribution(decoder.model, prompt_ids, sampling)
     assert chi_square_p_value(counts, distribution) < 1e-4
 
@@ -169,7 +176,7 @@ def test_the_check_catches_the_draft_distribution(setting):
     loose = SpeculativeDecoder(
         decoder.model, decoder.draft_model, decoder.tokenizer, NUM_DRAFT, 1.0
     )
-    counts = sample_outputs(loose, sampling)
+    counts = sample_outputs(loose, sampling, runs=POWER_RUNS)
     distribution = exact_distribution(decoder.model, prompt_ids, sampling)
     assert chi_square_p_value(counts, distribution) < 1e-4
 
@@ -263,6 +270,6 @@ def test_the_check_catches_a_wrong_point_mass_rule(lookup_setting, rule, monkeyp
         miswritten_verify(rule) if rule == "resample from p" else miswritten_point_mass_rule(rule)
     )
     monkeypatch.setattr(decoder_module, "verify", wrong)
-    counts = sample_outputs(decoder, sampling, prompt)
+    counts = sample_outputs(decoder, sampling, prompt, runs=POWER_RUNS)
     distribution = exact_distribution(decoder.model, mx.array([prompt]), sampling)
     assert chi_square_p_value(counts, distribution) < 1e-4
