@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from cli import SEEDS, is_seed
 from drafting import (
+    DRAFT_SOURCES,
     MAX_AUTO_DRAFT,
     Draft,
     DraftLength,
@@ -43,7 +44,6 @@ from drafting import (
     ModelDrafter,
     PromptLookupDrafter,
     acceptance_counts,
-    draft_token_time,
     pass_times,
     trim_to,
 )
@@ -428,7 +428,7 @@ class BatchGenerator:
         if not self.speculative:
             return 0.0
         decoder = self.decoder
-        costs, tic = ({}, []), time.perf_counter()
+        costs, tic = {}, time.perf_counter()
         if decoder.num_draft == "auto":
             costs = decoder.measure_costs(
                 joining[0].prompt_ids, self.cost_batch_size or len(joining)
@@ -442,7 +442,7 @@ class BatchGenerator:
             decoder.delta,
         )
         earlier = decoder.acceptance.setdefault(key, acceptance_counts())
-        self.draft_length = DraftLength(decoder.num_draft, *costs, earlier)
+        self.draft_length = DraftLength(decoder.num_draft, costs, earlier)
         return time.perf_counter() - tic if decoder.num_draft == "auto" else 0.0
 
 
@@ -490,7 +490,7 @@ class SpeculativeDecoder:
         self.num_draft = num_draft
         self.delta = delta
         self.prompt_lookup = prompt_lookup
-        self._costs = {}  # measured once per batch size: see measure_costs
+        self._costs = {}  # round costs per source, draft model and batch size: see measure_costs
         self.acceptance = {}  # per way of drafting: see DraftLength
 
     @property
@@ -544,26 +544,31 @@ class SpeculativeDecoder:
 
     def measure_costs(
         self, prompt_ids: Sequence[int], batch_size: int = 1
-    ) -> tuple[dict[str, float], list[float]]:
-        """What "auto" weighs at ``batch_size`` rows, timed on ``prompt_ids``
-        once per decoder (and draft model) and batch size: a draft token's
-        time, drafted as in a round, over a main step's, for each draft
-        source, and the time of a main pass over 1 .. MAX_AUTO_DRAFT + 1
-        tokens per row over that of a pass over one."""
-        if ("verify", batch_size) not in self._costs:
-            encoder_output = self.model.encode(mx.array([list(prompt_ids)]))
-            main = pass_times(self.model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size)
-            self._costs["verify", batch_size] = [t / main[0] for t in main]
-            self._costs["main step", batch_size] = main[0]
-        # Looking up draft tokens costs next to nothing.
-        draft_costs = {"lookup": 0.0}
-        if self.draft_model is not None:
-            key = id(self.draft_model), batch_size
+    ) -> dict[str, list[float]]:
+        """What "auto" weighs at ``batch_size`` rows, for each draft source
+        this decoder drafts from: the time of a round drafting g = 0 ..
+        MAX_AUTO_DRAFT tokens per row and verifying them, over that of a
+        plain main step, timed on ``prompt_ids`` once per decoder (and draft
+        model) and batch size. A model's draft tokens are timed in the round,
+        between main passes, because drafting there costs more than drafting
+        alone (see docs/how-it-works.md). Looking up draft tokens costs next
+        to nothing, so a lookup round costs its verify pass."""
+        prompt_ids = list(prompt_ids)
+        sources = {"draft model": ["model"], "prompt lookup": ["lookup"], "hybrid": DRAFT_SOURCES}
+        costs = {}
+        for source in sources.get(self.drafting, []):
+            key = source, id(self.draft_model) if source == "model" else None, batch_size
             if key not in self._costs:
-                draft_step = draft_token_time(self.draft_model, list(prompt_ids), batch_size)
-                self._costs[key] = draft_step / self._costs["main step", batch_size]
-            draft_costs["model"] = self._costs[key]
-        return draft_costs, self._costs["verify", batch_size]
+                drafter = None
+                if source == "model":
+                    drafter = ModelDrafter(self.draft_model, [prompt_ids] * batch_size)
+                encoder_output = self.model.encode(mx.array([prompt_ids]))
+                times = pass_times(
+                    self.model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size, drafter
+                )
+                self._costs[key] = [t / times[0] for t in times]
+            costs[source] = self._costs[key]
+        return costs
 
     def batch_generator(
         self, *, speculative: bool = True, max_batch_size: int = 8, **kwargs

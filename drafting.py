@@ -9,8 +9,8 @@ lookup draft is a point mass: its proposal distribution q is one-hot, so
 
 ``DraftLength`` says how many tokens to propose: a fixed number, or for
 ``"auto"`` the number with the most expected tokens per unit of time, from
-the measured costs of draft steps and verify passes at the batch's size and
-the acceptance measured so far.
+the measured cost of a round drafting each number of tokens at the batch's
+size and the acceptance measured so far.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from sampling import RowSampling, Sampling, split_keys
 
 # The most draft tokens "auto" proposes per round.
 MAX_AUTO_DRAFT = 16
-# When "auto" finds drafting not worth it, it still drafts one token every
-# this many rounds, so its estimate can notice the draft agreeing again.
+# Every this many rounds "auto" drafts one token more than it judges best,
+# so that it keeps testing the position past its choice (see DraftLength).
 PROBE_EVERY = 8
 # Before a generation's first tested draft token at a given position, "auto"
 # assumes this acceptance rate there, weighted as this many tested tokens.
@@ -156,25 +156,6 @@ def mask_past_lengths(draft: Draft) -> Draft:
     return draft
 
 
-def draft_token_time(
-    model: T5, prompt_ids: list[int], batch_size: int, num_draft: int = 8, repeats: int = 3
-) -> float:
-    """Median seconds per token of a ``ModelDrafter`` proposing ``num_draft``
-    tokens for ``batch_size`` rows after the start token as in a round,
-    where each step's graph is built while the previous one computes
-    (cheaper than one step timed alone)."""
-    drafter = ModelDrafter(model, [prompt_ids] * batch_size)
-    start = [[model.args.decoder_start_token_id]] * batch_size
-    greedy = RowSampling([Sampling()])
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        draft = drafter.propose(start, greedy, lambda source: num_draft, [num_draft] * batch_size)
-        mx.eval(draft.tokens)
-        times.append((time.perf_counter() - tic) / num_draft)
-    return statistics.median(times)
-
-
 # Token counts per row at which ``pass_times`` times a pass. A pass's time
 # grows smoothly with its width, linearly once the products are wide: it is
 # interpolated in between and extrapolated past the last (timing every width
@@ -183,21 +164,41 @@ TIMED_PASS_LENGTHS = (1, 2, 3, 4, 6, 9)
 
 
 def pass_times(
-    model: T5, encoder_output: mx.array, max_length: int, batch_size: int = 1, repeats: int = 3
+    model: T5,
+    encoder_output: mx.array,
+    max_length: int,
+    batch_size: int = 1,
+    drafter: ModelDrafter | None = None,
+    repeats: int = 3,
 ) -> list[float]:
     """Median seconds of one decoder pass of ``model`` over ``batch_size``
     rows of 1 .. ``max_length`` tokens, after one cached token: timed at the
     ``TIMED_PASS_LENGTHS`` up to ``max_length``, in rounds so that drift hits
-    every length, and interpolated (past the last, extrapolated) from them."""
+    every length, and interpolated (past the last, extrapolated) from them.
+
+    With a ``drafter`` (for the same rows), each pass over n tokens is timed
+    as a round runs it: the drafter proposes the n - 1 tokens the pass takes
+    after the cached one (none for n = 1, a plain step)."""
     lengths = [n for n in TIMED_PASS_LENGTHS if n <= max_length]
     cache = model.make_cache(mx.repeat(encoder_output, batch_size, axis=0))
     start = mx.full((batch_size, 1), model.args.decoder_start_token_id)
     mx.eval(model.decode(start, cache))
+    greedy = RowSampling([Sampling()] * batch_size)
+    sequences = [[model.args.decoder_start_token_id]] * batch_size
+
+    def pass_inputs(length: int) -> mx.array:
+        if drafter is None or length == 1:
+            return mx.repeat(start, length, axis=1)
+        draft = drafter.propose(
+            sequences, greedy, lambda source: length - 1, [length - 1] * batch_size
+        )
+        return mx.concatenate([start, draft.tokens], axis=1)
+
     times = [[] for _ in lengths]
     for _ in range(repeats):
         for i, length in enumerate(lengths):
             tic = time.perf_counter()
-            mx.eval(model.decode(mx.repeat(start, length, axis=1), cache))
+            mx.eval(model.decode(pass_inputs(length), cache))
             times[i].append(time.perf_counter() - tic)
             cache.trim(length)
     return piecewise_linear(lengths, [statistics.median(t) for t in times], max_length)
@@ -361,22 +362,19 @@ def expected_tokens_per_round(alpha: float, num_draft: int) -> float:
     return (1 - alpha ** (num_draft + 1)) / (1 - alpha)
 
 
-def best_num_draft(acceptance: list[float], draft_cost: float, verify_costs: list[float]) -> int:
-    """The g in 0 .. len(verify_costs) - 1 with the most expected tokens per
+def best_num_draft(acceptance: list[float], round_costs: list[float]) -> int:
+    """The g in 0 .. len(round_costs) - 1 with the most expected tokens per
     unit of time. ``acceptance[i]`` is the probability that draft token i + 1
     is accepted once the tokens before it were, so a round of g yields
     ``1 + a_1 + a_1 a_2 + ... + a_1 ... a_g`` tokens (eq. 1 when every a_i is
-    the same alpha); it costs ``g * draft_cost + verify_costs[g]``: g draft
-    steps and a main pass over g + 1 tokens, both relative to a main pass
-    over one token (``verify_costs[0] == 1``). g = 0 is a plain main-model
+    the same alpha); it costs ``round_costs[g]``: the time of a round that
+    drafts g tokens and verifies them in a main pass over g + 1, relative to
+    a plain main-model step (``round_costs[0] == 1``). g = 0 is that plain
     step, one token per pass: the choice when drafting does not pay."""
-    reach = np.cumprod(acceptance[: len(verify_costs) - 1])  # a_1 ... a_i
+    reach = np.cumprod(acceptance[: len(round_costs) - 1])  # a_1 ... a_i
     # Index g: the tokens a round of g draft tokens yields.
     tokens = 1 + np.concatenate([[0.0], np.cumsum(reach)])
-    return max(
-        range(len(verify_costs)),
-        key=lambda g: tokens[g] / (g * draft_cost + verify_costs[g]),
-    )
+    return max(range(len(round_costs)), key=lambda g: tokens[g] / round_costs[g])
 
 
 def acceptance_counts() -> dict[str, np.ndarray]:
@@ -396,6 +394,12 @@ class DraftLength:
     acceptance, and a verify pass costs what its longest row costs, so a
     row drafting fewer tokens than the others would save nothing.
 
+    Every PROBE_EVERY-th round it drafts one token more than its choice: a
+    rate moves only where tokens are tested, so without that a position
+    that an unlucky start made look poor (or a draft that stopped paying
+    for itself, at g = 0) would never be drafted, and so never corrected,
+    again.
+
     ``earlier`` holds, per source, the [accepted, tested] counts per position
     of the decoder's earlier generations, and is updated too. This
     generation starts from their rate (itself starting from the prior),
@@ -404,29 +408,27 @@ class DraftLength:
     def __init__(
         self,
         num_draft: int | str,
-        draft_costs: dict[str, float],
-        verify_costs: list[float],
+        round_costs: dict[str, list[float]],
         earlier: dict[str, np.ndarray] | None = None,
     ):
         self.num_draft = num_draft
-        self.draft_costs, self.verify_costs = draft_costs, verify_costs
+        self.round_costs = round_costs  # per source: see best_num_draft
         self.earlier = acceptance_counts() if earlier is None else earlier
         self.counts = {}  # per source: [accepted, tested] per position, prior included
         for source, (accepted, tested) in self.earlier.items():
             rate = (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tested + PRIOR_WEIGHT)
             self.counts[source] = np.stack([rate * PRIOR_WEIGHT, np.full_like(rate, PRIOR_WEIGHT)])
-        self.undrafted = dict.fromkeys(DRAFT_SOURCES, 0)  # rounds "auto" chose not to draft
+        self.rounds = dict.fromkeys(DRAFT_SOURCES, 0)  # rounds "auto" chose a length for
 
     def choose(self, source: str) -> int:
         """Draft tokens for the next round from ``source``; 0: a plain step."""
         if self.num_draft != "auto":
             return self.num_draft
         accepted, tested = self.counts[source]
-        num_draft = best_num_draft(accepted / tested, self.draft_costs[source], self.verify_costs)
-        if num_draft == 0:
-            self.undrafted[source] += 1
-            if self.undrafted[source] % PROBE_EVERY == 0:
-                return 1
+        num_draft = best_num_draft(accepted / tested, self.round_costs[source])
+        self.rounds[source] += 1
+        if self.rounds[source] % PROBE_EVERY == 0:
+            return min(num_draft + 1, MAX_AUTO_DRAFT)
         return num_draft
 
     def update(self, source: str, num_accepted: int, num_tested: int) -> None:

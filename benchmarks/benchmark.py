@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     print(describe_machine(machine))
     print(format_table(rows, COLUMNS))
     configure(decoder, draft_model, args.prompt_lookup, Mode("hybrid", "auto", 0.0))
-    draft_costs, verify_costs = decoder.measure_costs(prompt_ids[0].tolist())
+    round_costs = decoder.measure_costs(prompt_ids[0].tolist())
     extra = {
         "model": str(model_path),
         "draft_model": str(draft_path),
@@ -573,9 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "prompt_lookup": args.prompt_lookup,
-        # What auto measured: draft step / main step, and a main pass over k tokens / over 1.
-        "auto_draft_costs": draft_costs,
-        "auto_verify_costs": verify_costs,
+        # What auto measured per draft source: a round drafting g tokens / a plain step.
+        "auto_round_costs": round_costs,
         "blas": blas.loaded_library(),
         "blas_threads": blas.num_threads(),
         "machine": machine,

@@ -517,12 +517,24 @@ def agreement_rate(
     return agree / total
 
 
+def linear_round_costs(draft_cost: float) -> list[float]:
+    """Round costs for "auto" (``drafting.best_num_draft``) of g = 0 ..
+    MAX_AUTO_DRAFT draft tokens when a draft step costs ``draft_cost`` main
+    steps and a verify pass over any number of tokens costs one."""
+    from drafting import MAX_AUTO_DRAFT
+
+    return [1.0 + draft_cost * g for g in range(MAX_AUTO_DRAFT + 1)]
+
+
+def auto_costs(draft_cost: float) -> dict[str, list[float]]:
+    """``linear_round_costs`` for model drafts, free lookup drafts."""
+    return {"model": linear_round_costs(draft_cost), "lookup": linear_round_costs(0.0)}
+
+
 def cheap_drafts(decoder, draft_cost: float = 0.1) -> None:
     """Make ``decoder``'s "auto" weigh a draft step as ``draft_cost`` main
     steps and a verify pass over any number of tokens as one. The tiny test
     draft model costs as much as its main model, so timed costs would rightly
     make auto draft little, and a test of drafting would test plain steps."""
-    from drafting import MAX_AUTO_DRAFT
-
-    costs = {"model": draft_cost, "lookup": 0.0}, [1.0] * (MAX_AUTO_DRAFT + 1)
+    costs = auto_costs(draft_cost)
     decoder.measure_costs = lambda prompt_ids, batch_size=1: costs

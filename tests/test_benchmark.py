@@ -123,7 +123,11 @@ def test_benchmark_compares_every_drafting_mode(converted_pair, tmp_path):
     assert all(float(r["lookup_rounds"]) > 0 for r in rows if r["drafting"] == "prompt lookup")
     # The paper's prediction needs one fixed g and a draft model.
     assert [r["predicted_speedup"] != "" for r in rows] == [True] + [False] * 5
-    assert report["repeats"] == 2 and len(report["auto_verify_costs"]) == 17
+    assert report["repeats"] == 2
+    # auto's round costs, per source of the hybrid mode: g = 0 .. 16, g = 0 a plain step.
+    round_costs = report["auto_round_costs"]
+    assert sorted(round_costs) == ["lookup", "model"]
+    assert all(len(costs) == 17 and costs[0] == 1 for costs in round_costs.values())
     # Against the machine: the bandwidth bound, v(k) for the verify passes of g = 0 .. 16.
     machine = report["machine"]
     assert machine["bandwidth_gb_per_s"] > 0 and machine["main_step_gb"] > 0

@@ -3,10 +3,11 @@ model's greedy output; the auto rule's formula; ``from_draft``."""
 
 import mlx.core as mx
 import pytest
-from fixtures import cheap_drafts
+from fixtures import auto_costs, cheap_drafts, linear_round_costs
 
 from decoder import SpeculativeDecoder
 from drafting import (
+    MAX_AUTO_DRAFT,
     PROBE_EVERY,
     DraftLength,
     acceptance_counts,
@@ -102,62 +103,74 @@ def test_pass_times_between_and_past_the_timed_lengths():
 
 
 def test_best_num_draft():
-    # alpha 0.75, c 0.1, flat verify costs: (1 - 0.75^(g+1)) / (0.25 (1 + 0.1 g))
-    # is 2.179 at g = 4, 2.192 at g = 5 and 2.166 at g = 6.
-    flat = [1.0] * 17
-    assert best_num_draft([0.75] * 16, 0.1, flat) == 5
-    # A main pass over 5 tokens 10% cheaper than one over 1: g = 4 gives 3.051 / 1.3.
-    assert best_num_draft([0.75] * 16, 0.1, [1.0] * 4 + [0.9] + [1.0] * 12) == 4
+    # alpha 0.75, a draft step 0.1 main steps, verify passes as cheap as a step:
+    # (1 - 0.75^(g+1)) / (0.25 (1 + 0.1 g)) is 2.179 at g = 4, 2.192 at g = 5 and 2.166 at g = 6.
+    cheap = linear_round_costs(0.1)
+    assert best_num_draft([0.75] * 16, cheap) == 5
+    # A round of 4 draft tokens 10% cheaper than the line: g = 4 gives 3.051 / 1.3.
+    assert best_num_draft([0.75] * 16, cheap[:4] + [1.3] + cheap[5:]) == 4
     # g = 1 yields 1.4 tokens for 1.3 passes; g = 2 1.56 for 1.6.
-    assert best_num_draft([0.4] * 16, 0.3, flat) == 1
+    assert best_num_draft([0.4] * 16, linear_round_costs(0.3)) == 1
     # Drafting does not pay (1.2 tokens for 1.5 passes at g = 1): a plain step.
-    assert best_num_draft([0.2] * 16, 0.5, flat) == 0
-    assert best_num_draft([0.99] * 16, 0.0, flat) == 16
+    assert best_num_draft([0.2] * 16, linear_round_costs(0.5)) == 0
+    assert best_num_draft([0.99] * 16, linear_round_costs(0.0)) == 16
     # Per position: a second token never accepted is never worth drafting.
-    assert best_num_draft([0.9, 0.0] + [0.9] * 14, 0.1, flat) == 1
+    assert best_num_draft([0.9, 0.0] + [0.9] * 14, cheap) == 1
 
 
 def test_auto_draft_length_follows_acceptance():
-    length = DraftLength("auto", {"model": 0.1, "lookup": 0.0}, [1.0] * 17)
+    length = DraftLength("auto", auto_costs(0.1))
     assert length.choose("model") == 5  # the prior, alpha 0.75
     for _ in range(20):
         length.update("model", 0, 1)  # every tested token rejected
         length.update("lookup", 6, 6)  # every one accepted
     assert length.choose("model") == 1
     assert length.choose("lookup") == 16
-    assert DraftLength(3, {}, []).choose("model") == 3
+    assert DraftLength(3, {}).choose("model") == 3
 
 
 def test_auto_draft_length_stops_drafting_a_draft_that_does_not_pay_but_probes_it():
-    length = DraftLength("auto", {"model": 0.5, "lookup": 0.0}, [1.0] * 17)
+    length = DraftLength("auto", auto_costs(0.5))
     for _ in range(20):
         length.update("model", 0, 1)
     choices = [length.choose("model") for _ in range(3 * PROBE_EVERY)]
-    # A plain step, but one token drafted every PROBE_EVERY rounds.
+    # A plain step, but one token drafted every PROBE_EVERY rounds (a probe).
     assert choices == ([0] * (PROBE_EVERY - 1) + [1]) * 3
     for _ in range(40):
         length.update("model", 1, 1)  # the probes found the draft agreeing again
     assert length.choose("model") >= 1
 
 
+def test_auto_recovers_a_position_an_unlucky_start_made_look_poor():
+    length = DraftLength("auto", auto_costs(0.3))
+    for _ in range(10):
+        length.update("model", 1, 2)  # at first every second token rejected
+    assert length.choose("model") == 1
+    for _ in range(25 * PROBE_EVERY):
+        num_draft = length.choose("model")
+        length.update("model", num_draft, num_draft)  # from now on every one accepted
+    # Only the probes test the second position, and they find it agreeing.
+    assert length.choose("model") > 2
+
+
 def test_auto_starts_from_the_acceptance_of_earlier_generations():
-    costs, flat = {"model": 0.1, "lookup": 0.0}, [1.0] * 17
+    costs = auto_costs(0.1)
     earlier = acceptance_counts()
-    first = DraftLength("auto", costs, flat, earlier)
+    first = DraftLength("auto", costs, earlier)
     assert first.choose("model") == 5  # the prior
     for _ in range(30):
         first.update("model", 0, 1)
-    second = DraftLength("auto", costs, flat, earlier)
+    second = DraftLength("auto", costs, earlier)
     # The first position's rate so far, (0 + 0.75 * 4) / (30 + 4): not worth drafting.
     assert second.choose("model") == 0
-    assert second.choose("lookup") == DraftLength("auto", costs, flat).choose("lookup")
+    assert second.choose("lookup") == DraftLength("auto", costs).choose("lookup")
     for _ in range(8):
         second.update("model", 3, 3)  # this generation's own rounds outweigh it
     assert second.choose("model") >= 3
 
 
 def test_auto_draft_length_learns_each_position():
-    length = DraftLength("auto", {"model": 0.1, "lookup": 0.0}, [1.0] * 17)
+    length = DraftLength("auto", auto_costs(0.1))
     for _ in range(50):
         length.update("model", 1, 2)  # the first token accepted, the second rejected
     # One rate for both positions, 0.5, would choose g = 2 (1.75 / 1.2 > 1.5 / 1.1).
@@ -219,6 +232,35 @@ def test_auto_that_mostly_steps_plainly_keeps_the_greedy_output(decoding_pair):
     totals = decode_all(decoder)
     assert 0 < totals["rounds"] < totals["passes"] / (PROBE_EVERY - 2)
     assert totals["proposed"] == totals["rounds"]
+
+
+def test_auto_times_the_rounds_of_each_draft_source(decoding_pair):
+    """auto's costs: per draft source the decoder drafts from, a round of g =
+    0 .. MAX_AUTO_DRAFT draft tokens over a plain step; a model's rounds are
+    timed with their draft steps, a lookup's are its verify pass alone."""
+    model, _, tokenizer = decoding_pair
+    prompt_ids = tokenizer(PROMPTS[0]).input_ids
+    costs = {
+        drafting: SpeculativeDecoder(*pair, num_draft="auto", prompt_lookup=lookup).measure_costs(
+            prompt_ids
+        )
+        for drafting, pair, lookup in [
+            ("draft model", decoding_pair, 0),
+            ("prompt lookup", (model, None, tokenizer), 2),
+            ("hybrid", decoding_pair, 2),
+        ]
+    }
+    assert {drafting: sorted(c) for drafting, c in costs.items()} == {
+        "draft model": ["model"],
+        "prompt lookup": ["lookup"],
+        "hybrid": ["lookup", "model"],
+    }
+    for by_source in costs.values():
+        assert all(len(c) == MAX_AUTO_DRAFT + 1 and c[0] == 1 for c in by_source.values())
+    # The tiny draft model costs about what its main model does: eight draft
+    # steps add several plain steps' worth to a round of g = 8.
+    hybrid = costs["hybrid"]
+    assert hybrid["model"][8] > hybrid["lookup"][8] + 2
 
 
 @pytest.mark.parametrize(
