@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -125,34 +127,25 @@ class RelativePositionBias(nn.Module):
 
 
 # On the CPU, products over at most this many rows (decoder steps, verify
-# passes, short prompts) take Linear's weight-streaming form.
+# passes, short prompts) may take Linear's weight-streaming form.
 STREAMING_ROWS = 512
 
 
 class Linear(nn.Linear):
-    """``x W^T`` without bias, in the form OpenBLAS computes fastest on the
-    CPU (docs/benchmarks.md has the measurements):
-
-    - A weight with more outputs than inputs (the feed-forward's ``wi``, an
-      untied ``lm_head``) is kept in memory as ``W^T``, [in, out] row by row,
-      by :func:`store_for_cpu` (its shape stays [out, in]). ``x W^T`` then
-      reads it in place: 1.1-1.7x faster than the forms below at 1 to 32
-      rows, and no slower over many.
-    - Any other weight, over at most ``STREAMING_ROWS`` rows, is computed as
-      ``(W x^T)^T``, every row of the batch in one product: OpenBLAS then
-      streams ``W`` through its kernels instead of first copying all of it
-      into its packed layout (1 row x 4 tokens of the benchmark pair's main
-      model: 0.83x the time of ``x W^T``). A batched ``W @ x^T`` (one
-      product per row) would stream ``W`` once per row.
-    """
+    """``x W^T`` without bias. On the CPU, in the form :func:`store_for_cpu`
+    measured fastest for the weight's shape (docs/benchmarks.md): ``x W^T``
+    with ``W`` as it is stored, or kept transposed in memory, or over at
+    most ``STREAMING_ROWS`` rows as ``(W x^T)^T``, every row of the batch in
+    one product, so that OpenBLAS streams ``W`` through its kernels instead
+    of first copying it into its packed layout."""
 
     def __init__(self, input_dims: int, output_dims: int):
         super().__init__(input_dims, output_dims, bias=False)
+        self.streaming = False
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
-        output_dims, input_dims = self.weight.shape
-        if output_dims <= input_dims and rows <= STREAMING_ROWS and mx.default_device() == mx.cpu:
+        if self.streaming and rows <= STREAMING_ROWS:
             flat = x.reshape(rows, x.shape[-1])
             return (self.weight @ flat.T).T.reshape(*x.shape[:-1], -1)
         return x @ self.weight.T
@@ -782,31 +775,112 @@ def load_config(path: str | Path) -> ModelArgs:
         ) from None
 
 
-def store_for_cpu(model: T5) -> None:
-    """Keep each float32 weight that computes more outputs than it reads
-    inputs (a :class:`Linear`'s, or the embedding when it is also the output
-    projection) in memory as its transpose: the layout OpenBLAS reads
-    fastest at few rows (see :class:`Linear`). Shapes do not change, only
-    where elements lie, so every result is the same function. In place, one
-    weight at a time: memory grows by one weight at most.
+# The ways ``Linear`` can compute ``x W^T`` on the CPU. Which one OpenBLAS
+# computes fastest depends on the weight's shape and on the CPU: on a Zen 3
+# or Zen 4 EPYC, weights with more outputs than inputs ran 1.1-1.7x faster
+# kept transposed and the others streamed; on a Zen 5 the plain form beat
+# both at every shape.
+PRODUCT_FORMS = ("plain", "streaming", "transposed")
+# Rows at which store_for_cpu times the forms: a decoder step of one prompt,
+# and of a batch or a verify pass.
+TIMED_ROWS = (1, 8)
+# Weights smaller than this (in elements) keep the plain form: their
+# products take microseconds, too few to time reliably and to matter.
+TIMED_FORM_MIN_SIZE = 1 << 18
+# Another form replaces the plain one only when it takes at most this share
+# of its time, so that a near-tie never makes two loads of a model on one
+# machine compute differently.
+FORM_MARGIN = 0.9
 
-    Tied logits of T5-small's shape ([32128, 512]) at 1 and 8 rows took 0.66x
-    and 0.68x the time; looking up the embedding of many tokens gets slower
-    (1,000 tokens: 15 ms instead of 1), next to their encoding. Half-precision
-    products are not OpenBLAS's, and gained nothing: they keep their layout."""
-    wide = [
-        module
-        for module in model.modules()
-        if type(module) is Linear and module.weight.shape[0] > module.weight.shape[1]
-    ]
-    if model.args.tie_word_embeddings and type(model.shared) is nn.Embedding:
-        wide.append(model.shared)
-    for module in wide:
-        if module.weight.dtype != mx.float32:
+
+def fastest_form(times: dict[str, float]) -> str:
+    """The form in ``times`` (seconds per form) to compute with: the fastest,
+    unless it saves less than ``1 - FORM_MARGIN`` of the plain form's time."""
+    fastest = min(times, key=times.get)
+    return fastest if times[fastest] <= FORM_MARGIN * times["plain"] else "plain"
+
+
+# store_for_cpu times each form over this many bytes of weights, taken in
+# turn, so that each product reads its weight from memory as a decoder pass
+# does, not from a cache (last-level caches here: 32 MB).
+TIMED_FORM_BYTES = 64 << 20
+
+
+def form_times(
+    shape: tuple[int, int], dtype: mx.Dtype, forms: Sequence[str], repeats: int = 7
+) -> dict[str, float]:
+    """Seconds of ``x W^T`` for a weight of ``shape`` in each of ``forms``
+    (``PRODUCT_FORMS``) at each of ``TIMED_ROWS`` rows, summed over the rows:
+    medians of ``repeats`` timings, the forms interleaved, on throwaway
+    weights of ``TIMED_FORM_BYTES`` in all."""
+    count = max(1, TIMED_FORM_BYTES // (math.prod(shape) * dtype.size))
+    weights = [mx.ones(shape, dtype) for _ in range(count)]
+    stored_transposed = [mx.contiguous(w.T) for w in weights] if "transposed" in forms else []
+    mx.eval(weights, stored_transposed)
+    products = {
+        "plain": lambda x, i: x @ weights[i].T,
+        "streaming": lambda x, i: (weights[i] @ x.T).T,
+        "transposed": lambda x, i: x @ stored_transposed[i],
+    }
+    totals = dict.fromkeys(forms, 0.0)
+    for rows in TIMED_ROWS:
+        x = mx.ones((rows, shape[1]), dtype)
+        times = {form: [] for form in forms}
+        for repeat in range(repeats):
+            for i, form in enumerate(forms):
+                tic = time.perf_counter()
+                mx.eval(products[form](x, (repeat * len(forms) + i) % count))
+                times[form].append(time.perf_counter() - tic)
+        for form in forms:
+            totals[form] += statistics.median(times[form])
+    return totals
+
+
+def store_for_cpu(model: T5) -> None:
+    """Choose, for each shape of float32 weight in ``model``, the form of
+    ``x W^T`` that this CPU computes fastest (``PRODUCT_FORMS``, timed by
+    :func:`form_times`), and lay out and mark its weights for it. The
+    output projection, when it is the embedding, is timed plain or
+    transposed. Shapes do not change, only where elements lie and the order
+    OpenBLAS sums in, so every form computes the same function within
+    round-off. In place, one weight at a time: memory grows by one weight
+    while laying out, by twice ``TIMED_FORM_BYTES`` (or two weights) while
+    timing.
+
+    Half-precision products are not OpenBLAS's: they keep the plain form."""
+    by_shape = {}
+    for module in model.modules():
+        if type(module) is Linear and module.weight.dtype == mx.float32:
+            by_shape.setdefault(module.weight.shape, []).append(module)
+    tied = model.args.tie_word_embeddings and type(model.shared) is nn.Embedding
+    for modules in by_shape.values():
+        weight = modules[0].weight
+        if weight.size < TIMED_FORM_MIN_SIZE:
             continue
-        transposed = mx.contiguous(module.weight.T)
-        mx.eval(transposed)
-        module.weight = transposed.T  # a view: shaped [out, in], laid out [in, out]
+        form = fastest_form(form_times(weight.shape, weight.dtype, PRODUCT_FORMS))
+        for module in modules:
+            use_form(module, form)
+    weight = model.shared.weight
+    timed = tied and weight.dtype == mx.float32 and weight.size >= TIMED_FORM_MIN_SIZE
+    forms = ("plain", "transposed")
+    if timed and fastest_form(form_times(weight.shape, weight.dtype, forms)) == "transposed":
+        model.shared.weight = transposed_in_memory(weight)
+
+
+def use_form(module: Linear, form: str) -> None:
+    """Compute ``module``'s products in ``form`` (of ``PRODUCT_FORMS``) from
+    now on; its weight was laid out as stored."""
+    module.streaming = form == "streaming"
+    if form == "transposed":
+        module.weight = transposed_in_memory(module.weight)
+
+
+def transposed_in_memory(weight: mx.array) -> mx.array:
+    """``weight``, same shape, laid out as its transpose: [out, in] read as
+    [in, out] row by row."""
+    transposed = mx.contiguous(weight.T)
+    mx.eval(transposed)
+    return transposed.T
 
 
 def load_model(path: str | Path) -> T5:

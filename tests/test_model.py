@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 from fixtures import assert_within, load_hf
-from mlx.utils import tree_flatten
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import model as model_module
@@ -113,31 +112,60 @@ def row_major(weight: mx.array) -> bool:
     return np.asarray(weight).flags.c_contiguous
 
 
-@pytest.mark.parametrize("name", ["relu_tied", "gated_untied"])
-def test_wide_weights_are_stored_transposed_for_the_same_function(name, converted):
-    """On the CPU, load_model lays out the weights with more outputs than inputs
-    transposed (the parity tests judge that model); the function stays the same
-    as the checkpoint's layout computes it, within round-off."""
-    model = load_model(converted(name))
-    layer = model.decoder.layers[0]
-    wide = [layer.ff.wi_0, layer.ff.wi_1, model.lm_head] if name == "gated_untied" else []
-    wide += [layer.ff.wi] if name == "relu_tied" else []
-    assert all(w.weight.shape[0] > w.weight.shape[1] for w in wide)
-    assert not any(row_major(w.weight) for w in wide)
-    assert row_major(layer.ff.wo.weight) and row_major(layer.self_attn.query_proj.weight)
-    assert row_major(model.shared.weight) == (name == "gated_untied")
+def linears(model) -> list:
+    return [m for m in model.modules() if type(m) is model_module.Linear]
 
-    as_stored = model_module.T5(model.args)
-    as_stored.load_weights(str(converted(name) / "weights.npz"))
-    mx.eval(as_stored.parameters())
-    assert row_major(as_stored.decoder.layers[0].ff.wo.weight)
-    assert all(row_major(w) for _, w in tree_flatten(as_stored.parameters()))
-    inputs = mx.array(random_ids((2, 9), model.args.vocab_size, seed=5))
-    decoder_inputs = mx.array(random_ids((2, 7), model.args.vocab_size, seed=6))
-    expected = np.array(as_stored(inputs, decoder_inputs))
-    np.testing.assert_allclose(
-        np.array(model(inputs, decoder_inputs)), expected, rtol=0, atol=CACHE_TOLERANCE
-    )
+
+@pytest.mark.parametrize("name", ["relu_tied", "gated_untied"])
+def test_every_product_form_computes_the_same_function(name, converted):
+    """On the CPU a Linear computes x W^T plainly, streamed as (W x^T)^T, or
+    with W kept transposed in memory (load_model times them and takes the
+    fastest): each is the checkpoint's function within round-off."""
+    plain = load_model(converted(name))  # tiny weights: load_model keeps them plain
+    assert all(not m.streaming and row_major(m.weight) for m in linears(plain))
+    inputs = mx.array(random_ids((2, 9), plain.args.vocab_size, seed=5))
+    decoder_inputs = mx.array(random_ids((2, 7), plain.args.vocab_size, seed=6))
+    expected = np.array(plain(inputs, decoder_inputs))
+    for form in ("streaming", "transposed"):
+        model = load_model(converted(name))
+        for module in linears(model):
+            model_module.use_form(module, form)
+        assert all(row_major(m.weight) == (form != "transposed") for m in linears(model))
+        np.testing.assert_allclose(
+            np.array(model(inputs, decoder_inputs)), expected, rtol=0, atol=CACHE_TOLERANCE
+        )
+
+
+def test_the_fastest_form_must_save_a_tenth_over_the_plain_one():
+    fastest = model_module.fastest_form
+    assert fastest({"plain": 1.0, "streaming": 0.85, "transposed": 0.7}) == "transposed"
+    assert fastest({"plain": 1.0, "streaming": 0.89, "transposed": 0.95}) == "streaming"
+    # Near-ties keep the plain form, so two loads on one machine compute alike.
+    assert fastest({"plain": 1.0, "streaming": 0.95, "transposed": 0.92}) == "plain"
+    assert fastest({"plain": 1.0, "transposed": 1.3}) == "plain"
+
+
+def test_load_model_lays_out_each_shape_in_the_form_timed_fastest(converted, monkeypatch):
+    """load_model gives every float32 weight of a shape the form form_times
+    found fastest for that shape (here faked: wide weights transposed, the
+    others streamed), and the tied embedding, the output projection, its
+    own; a half-precision model keeps the plain form."""
+
+    def fake_times(shape, dtype, forms):
+        best = "transposed" if shape[0] > shape[1] else "streaming"
+        return {form: 0.5 if form == best else 1.0 for form in forms}
+
+    monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
+    monkeypatch.setattr(model_module, "form_times", fake_times)
+    model = load_model(converted("relu_tied"))
+    for module in linears(model):
+        wide = module.weight.shape[0] > module.weight.shape[1]
+        assert row_major(module.weight) != wide and module.streaming != wide
+    # The embedding is timed only plain or transposed: [vocabulary, d_model] is wide.
+    assert not row_major(model.shared.weight)
+    half = load_model(converted("relu_tied", "float16"))
+    assert all(row_major(m.weight) and not m.streaming for m in linears(half))
+    assert row_major(half.shared.weight)
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
