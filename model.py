@@ -437,8 +437,11 @@ class KVCache:
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows``, in that order (see ``keep_buffer_rows``)."""
         if self.keys is not None:
-            self.keys = keep_buffer_rows(self.keys, rows)
-            self.values = keep_buffer_rows(self.values, rows)
+            # Rows admitted past the storage have none yet: zeros, not memory
+            # past the buffer's end.
+            held = max(rows) + 1
+            self.keys = keep_buffer_rows(pad_to(self.keys, held, 0), rows)
+            self.values = keep_buffer_rows(pad_to(self.values, held, 0), rows)
         self.lengths = [self.lengths[row] for row in rows]
 
 
