@@ -555,14 +555,15 @@ class SpeculativeDecoder:
         to nothing, so a lookup round costs its verify pass."""
         prompt_ids = list(prompt_ids)
         sources = {"draft model": ["model"], "prompt lookup": ["lookup"], "hybrid": DRAFT_SOURCES}
-        costs = {}
+        costs, encoder_output = {}, None
         for source in sources.get(self.drafting, []):
             key = source, id(self.draft_model) if source == "model" else None, batch_size
             if key not in self._costs:
                 drafter = None
                 if source == "model":
                     drafter = ModelDrafter(self.draft_model, [prompt_ids] * batch_size)
-                encoder_output = self.model.encode(mx.array([prompt_ids]))
+                if encoder_output is None:  # once for both sources of hybrid drafting
+                    encoder_output = self.model.encode(mx.array([prompt_ids]))
                 times = pass_times(
                     self.model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size, drafter
                 )

@@ -779,10 +779,10 @@ def load_config(path: str | Path) -> ModelArgs:
 
 
 # The ways ``Linear`` can compute ``x W^T`` on the CPU. Which one OpenBLAS
-# computes fastest depends on the weight's shape and on the CPU: on a Zen 3
-# or Zen 4 EPYC, weights with more outputs than inputs ran 1.1-1.7x faster
-# kept transposed and the others streamed; on a Zen 5 the plain form beat
-# both at every shape.
+# computes fastest depends on the weight's shape and on the CPU: on the
+# EPYCs measured before, weights with more outputs than inputs ran 1.1-1.7x
+# faster kept transposed and the others streamed; on a Zen 5 the plain form
+# beat or matched both at every shape (docs/benchmarks.md).
 PRODUCT_FORMS = ("plain", "streaming", "transposed")
 # Rows at which store_for_cpu times the forms: a decoder step of one prompt,
 # and of a batch or a verify pass.
@@ -791,7 +791,7 @@ TIMED_ROWS = (1, 8)
 # products take microseconds, too few to time reliably and to matter.
 TIMED_FORM_MIN_SIZE = 1 << 18
 # Another form replaces the plain one only when it takes at most this share
-# of its time, so that a near-tie never makes two loads of a model on one
+# of its time, so that near-ties do not make two loads of a model on one
 # machine compute differently.
 FORM_MARGIN = 0.9
 
