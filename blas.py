@@ -35,6 +35,21 @@ when it is loaded, so set it before importing this module.
 If neither is found, one line on stderr says how to get one, and MLX runs on
 its reference BLAS. Nothing happens on macOS, where MLX uses Accelerate.
 
+Few-row products. MLX computes every float32 product with ``cblas_sgemm``,
+one-row ones too (a decoder step over one token), and a batched product one
+matrix at a time; OpenBLAS is slow on both: its call costs more than a tiny
+product, it copies the whole weight into its packed layout before it
+multiplies, and row counts that are not a multiple of 8 cost as much as the
+next multiple of 8 or more. ``few_rows.c`` defines a ``cblas_sgemm`` that
+computes tiny products itself, one or two rows with ``cblas_sgemv`` (which
+reads the weight where it lies: 1.5-1.7x faster) and other few-row products
+padded to a multiple of 8 rows, and passes everything else to OpenBLAS.
+With a C compiler (``$CC``, else ``cc``), it is compiled for this CPU into a
+private temporary directory (about 0.1 s), loaded with ``RTLD_GLOBAL`` just
+before the OpenBLAS, so that MLX's ``cblas_sgemm`` binds to it, and the
+directory goes. Without a compiler, MLX calls OpenBLAS directly. (MLX itself
+compiles its fused CPU kernels with the system's C++ compiler.) Set ``T5_SPEC_NO_FEW_ROWS=1`` to skip it.
+
 Set ``T5_SPEC_NO_BLAS=1`` to skip all this and keep MLX's bundled reference
 BLAS (to compare, or to rule the optimized library out).
 
@@ -43,7 +58,8 @@ extension modules with ``RTLD_NOW``, so MLX's ``cblas_sgemm`` was bound when it
 was imported. Then :func:`load` loads nothing and says so on stderr.
 
 :func:`loaded_library` gives the path of the library loaded, for reports and
-tests, :func:`num_threads` its thread count; :func:`status` describes the
+tests, :func:`num_threads` its thread count, :func:`few_rows_counts` how many
+products took each path of ``few_rows.c``; :func:`status` describes the
 outcome in one line.
 """
 
@@ -51,11 +67,17 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 DISABLE_ENV = "T5_SPEC_NO_BLAS"
+FEW_ROWS_DISABLE_ENV = "T5_SPEC_NO_FEW_ROWS"
+FEW_ROWS_SOURCE = Path(__file__).with_name("few_rows.c")
+# The paths of few_rows.c, in the order of its counters.
+FEW_ROWS_PATHS = ("tiny", "by rows of sgemv", "padded", "passed on")
 THREADED_PACKAGE = "ngsolve-openblas"
 # Carries the Fortran runtime the threaded OpenBLAS needs, and an OpenBLAS of its own.
 PACKAGE = "scs"
@@ -69,6 +91,8 @@ VENDORED_RUNTIMES = ("libquadmath", "libgfortran")
 _loaded: str | None = None
 _status = "not attempted"
 _attempted = False
+_few_rows: ctypes.CDLL | None = None
+_few_rows_status = ""
 
 
 def loaded_library() -> str | None:
@@ -85,7 +109,16 @@ def num_threads() -> int | None:
 
 def status() -> str:
     """One line: which BLAS MLX uses, and why."""
-    return _status
+    return _status + _few_rows_status
+
+
+def few_rows_counts() -> dict[str, int] | None:
+    """How many products took each path of ``few_rows.c`` so far, or None
+    if it is not in use."""
+    if _few_rows is None:
+        return None
+    counts = (ctypes.c_long * len(FEW_ROWS_PATHS)).in_dll(_few_rows, "few_rows_counts")
+    return dict(zip(FEW_ROWS_PATHS, counts))
 
 
 def _say(message: str) -> None:
@@ -124,8 +157,53 @@ def _load_global(name: str) -> bool:
     """
     if not _exports_cblas(name):
         return False
+    _load_few_rows(ctypes.CDLL(name))  # first: the global scope's first cblas_sgemm wins
     ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
     return True
+
+
+def _load_few_rows(openblas: ctypes.CDLL) -> None:
+    """Compile ``few_rows.c``, load it with ``RTLD_GLOBAL`` and hand it
+    ``openblas``'s functions; on failure, say why in the status and leave
+    MLX to call OpenBLAS directly."""
+    global _few_rows, _few_rows_status
+    if os.environ.get(FEW_ROWS_DISABLE_ENV, "") not in ("", "0"):
+        _few_rows_status = (
+            f"; {FEW_ROWS_DISABLE_ENV} is set: few-row products as OpenBLAS does them"
+        )
+        return
+    compiler = os.environ.get("CC") or shutil.which("cc")
+    if not compiler:
+        _few_rows_status = (
+            "; no C compiler (cc) for few_rows.c: few-row products as OpenBLAS does them"
+        )
+        return
+    try:
+        with tempfile.TemporaryDirectory(prefix="t5-spec-few-rows-") as directory:
+            library = Path(directory) / "libfew_rows.so"
+            command = [
+                compiler,
+                "-O3",
+                "-march=native",
+                "-fPIC",
+                "-shared",
+                "-o",
+                str(library),
+                str(FEW_ROWS_SOURCE),
+            ]
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+            few_rows = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    except (OSError, subprocess.SubprocessError) as error:
+        reason = getattr(error, "stderr", None) or str(error)
+        if isinstance(reason, bytes):
+            reason = reason.decode(errors="replace").strip().splitlines()[0]
+        _few_rows_status = (
+            f"; few_rows.c not used ({reason}): few-row products as OpenBLAS does them"
+        )
+        return
+    few_rows.few_rows_use(openblas.cblas_sgemm, openblas.cblas_sgemv)
+    _few_rows = few_rows
+    _few_rows_status = "; few-row products by few_rows.c"
 
 
 def _load_runtimes(directory: Path) -> None:

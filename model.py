@@ -178,9 +178,12 @@ def softmax_cpu(scores: mx.array) -> mx.array:
     return exp / exp.sum(axis=-1, keepdims=True)
 
 
-# Fewer scores than this, as in decoder steps, take less time in MLX's exp
-# than calling a compiled function adds.
-SOFTMAX_CPU_MIN_SCORES = 1 << 16
+# Fewer scores than this (a decoder step of a few rows) take less time in
+# MLX's exp than calling a compiled function adds. At 32 rows x 16 heads x 60
+# keys, attention took 0.74x the time through softmax_cpu (a one-row step
+# 1.24x); regular decoding of the benchmark pair's file at B = 32 made 4-5%
+# more tokens/s than with this at 65,536 (docs/benchmarks.md).
+SOFTMAX_CPU_MIN_SCORES = 1 << 11
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:

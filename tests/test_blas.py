@@ -1,23 +1,32 @@
-"""blas.py: after ``import blas``, MLX's ``cblas_sgemm`` is the optimized library's.
+"""blas.py: after ``import blas``, MLX's ``cblas_sgemm`` is few_rows.c's, which
+passes products on to the optimized library (or, without few_rows.c, the
+optimized library's own).
 
 Each case runs a fresh interpreter, so the import order is the real one, with the
 dynamic linker's binding log on (``LD_DEBUG=bindings``): its line "binding file
 .../libmlx.so to FILE: normal symbol `cblas_sgemm'" names the file whose
 ``cblas_sgemm`` every matmul of MLX calls. The child also reports which object
-defines the ``cblas_sgemm`` of the global scope (``dladdr``): the name the
-dynamic linker knows it by (for the threaded OpenBLAS, a symbolic link in a
-temporary directory that is gone by then) and the file mapped at its base
-address (``/proc/self/maps``), and the files it has mapped. No timing.
+defines ``cblas_sgemm`` and ``cblas_sgemv`` in the global scope (``dladdr``):
+the name the dynamic linker knows it by (for the threaded OpenBLAS and
+few_rows.c, a file in a temporary directory that is gone by then) and the
+file mapped at its base address (``/proc/self/maps``), and the files it has
+mapped. The products of few_rows.c's paths are checked in this process
+against float64. No timing.
 """
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import blas  # isort: skip  (before mlx, as every entry point does)
+import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,13 +45,15 @@ elif sys.argv[2] == "readme":  # the README's Python snippet, which never names 
 import blas
 import mlx.core as mx
 
-# A float32 matmul, through cblas_sgemm, checked against a sum done by hand.
-a = mx.arange(64 * 48, dtype=mx.float32).reshape(64, 48) / 1000
-b = mx.ones((48, 32), dtype=mx.float32)
-product = a @ b
-mx.eval(product)
-expected = (a.sum(axis=1, keepdims=True) * mx.ones((1, 32)))
-assert mx.allclose(product, expected, rtol=1e-5).item()
+# Float32 matmuls through cblas_sgemm, one per path of few_rows.c (tiny,
+# by rows, padded, passed on), each checked against a sum done by hand.
+for rows, inputs, outputs in [(4, 48, 32), (1, 300, 1000), (3, 300, 1000), (64, 300, 1000)]:
+    a = mx.arange(rows * inputs, dtype=mx.float32).reshape(rows, inputs) / 1000
+    b = mx.ones((inputs, outputs), dtype=mx.float32)
+    product = a @ b
+    mx.eval(product)
+    expected = (a.sum(axis=1, keepdims=True) * mx.ones((1, outputs)))
+    assert mx.allclose(product, expected, rtol=1e-5).item()
 
 
 class DlInfo(ctypes.Structure):
@@ -51,47 +62,66 @@ class DlInfo(ctypes.Structure):
 
 
 with open("/proc/self/maps") as maps:
-    lines = [line.split() for line in maps if " /" in line]
-mapped = sorted({os.path.realpath(line[-1]) for line in lines})
+    # address perms offset device inode path, "(deleted)" after a removed file
+    lines = [
+        (line.split()[0], os.path.realpath(line.split(maxsplit=5)[5].strip().removesuffix(" (deleted)")))
+        for line in maps if " /" in line
+    ]
+mapped = sorted({path for _, path in lines})
 
-process = ctypes.CDLL(None)
-try:
-    address = ctypes.cast(process.cblas_sgemm, ctypes.c_void_p)
-except AttributeError:  # no cblas_sgemm in the global scope
-    provider_name = global_provider = None
-else:
+
+def provider(symbol):  # the name and mapped file of its global definition, or (None, None)
+    try:
+        address = ctypes.cast(getattr(ctypes.CDLL(None), symbol), ctypes.c_void_p)
+    except AttributeError:  # not in the global scope
+        return None, None
     info = DlInfo()
-    assert process.dladdr(address, ctypes.byref(info))
-    provider_name = info.dli_fname.decode()
-    (global_provider,) = {
-        os.path.realpath(line[-1]) for line in lines
-        if int(line[0].split("-")[0], 16) == info.dli_fbase
-    }
+    assert ctypes.CDLL(None).dladdr(address, ctypes.byref(info))
+    (path,) = {path for start, path in lines if int(start.split("-")[0], 16) == info.dli_fbase}
+    return info.dli_fname.decode(), path
 
+
+(provider_name, global_provider), (_, sgemv_provider) = provider("cblas_sgemm"), provider("cblas_sgemv")
 print(json.dumps({
     "loaded": blas.loaded_library(),
     "status": blas.status(),
     "threads": blas.num_threads(),
+    "few_rows_counts": blas.few_rows_counts(),
     "provider_name": provider_name,
     "global_provider": global_provider,
+    "sgemv_provider": sgemv_provider,
     "mapped": mapped,
 }))
 """
 
 
 THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
+# A C compiler: without one, blas.py leaves few_rows.c out.
+HAS_COMPILER = bool(os.environ.get("CC") or shutil.which("cc"))
 
 
-def run_child(tmp_path: Path, order: str = "blas-first", disable: bool = False, threads=None):
+def run_child(
+    tmp_path: Path,
+    order: str = "blas-first",
+    disable: bool = False,
+    threads=None,
+    few_rows: bool = True,
+    compiler: str | None = None,
+):
     """Run CHILD; return its report, the file libmlx.so bound ``cblas_sgemm`` to, and stderr.
 
     ``threads``, if given, is the child's ``OPENBLAS_NUM_THREADS``; no thread
-    setting is passed on otherwise.
+    setting is passed on otherwise. ``few_rows=False`` sets ``T5_SPEC_NO_FEW_ROWS``;
+    ``compiler`` is the child's ``CC``.
     """
-    drop = ("T5_SPEC_NO_BLAS", *THREAD_SETTINGS)
+    drop = ("T5_SPEC_NO_BLAS", "T5_SPEC_NO_FEW_ROWS", *THREAD_SETTINGS)
     env = {k: v for k, v in os.environ.items() if k not in drop}
     if disable:
         env["T5_SPEC_NO_BLAS"] = "1"
+    if not few_rows:
+        env["T5_SPEC_NO_FEW_ROWS"] = "1"
+    if compiler is not None:
+        env["CC"] = compiler
     if threads is not None:
         env["OPENBLAS_NUM_THREADS"] = str(threads)
     log = tmp_path / "ld"
@@ -124,42 +154,62 @@ def is_bundled(path: str) -> bool:
     return Path(path).parent.name == "mlx_cpu.libs" and Path(path).name.startswith("libblas")
 
 
-def test_mlx_calls_the_optimized_cblas(tmp_path):
-    report, mlx_sgemm, stderr = run_child(tmp_path)
+def check_optimized(report: dict, mlx_sgemm: str, stderr: str, few_rows: bool) -> None:
+    """MLX calls few_rows.c's ``cblas_sgemm`` (if ``few_rows``) or the
+    optimized library's, the one the global scope resolves; the optimized
+    library defines the global ``cblas_sgemv`` (few_rows.c calls it)."""
     loaded = report["loaded"]
     assert loaded is not None, (
         f"no optimized BLAS was loaded ({report['status']}); "
         f"pip install -r requirements.txt installs one. stderr:\n{stderr}"
     )
     loaded = os.path.realpath(loaded)
-    # What MLX calls, what the global scope resolves, and what blas.py loaded: one file.
     assert mlx_sgemm == os.path.realpath(report["provider_name"])
-    assert report["global_provider"] == loaded
+    assert report["sgemv_provider"] == loaded
     assert loaded in report["mapped"]
     assert not is_bundled(loaded)
     assert report["threads"] >= 1
+    if few_rows:
+        assert Path(report["global_provider"]).name == "libfew_rows.so"
+        assert report["status"].endswith("few-row products by few_rows.c")
+        # Every path took the product made for it, and each was right.
+        assert min(report["few_rows_counts"].values()) >= 1, report["few_rows_counts"]
+    else:
+        assert report["global_provider"] == loaded
+        assert report["few_rows_counts"] is None
+    assert stderr == ""
+
+
+def test_mlx_calls_the_optimized_cblas(tmp_path):
+    report, mlx_sgemm, stderr = run_child(tmp_path)
+    check_optimized(report, mlx_sgemm, stderr, few_rows=HAS_COMPILER)
     # MLX's reference libblas is still mapped (libmlx.so needs it), just not called.
     assert any(is_bundled(path) for path in report["mapped"])
-    assert stderr == ""
 
 
 def test_the_python_api_gets_the_optimized_cblas(tmp_path):
     """``from decoder import ...; from model import load_model``, as the README shows."""
     report, mlx_sgemm, stderr = run_child(tmp_path, order="readme")
-    assert report["loaded"] is not None, report["status"]
-    assert mlx_sgemm == os.path.realpath(report["provider_name"])
-    assert report["global_provider"] == os.path.realpath(report["loaded"])
-    assert not is_bundled(mlx_sgemm)
-    assert stderr == ""
+    check_optimized(report, mlx_sgemm, stderr, few_rows=HAS_COMPILER)
 
 
 def test_an_explicit_thread_count_is_kept(tmp_path):
     """``OPENBLAS_NUM_THREADS=1`` set by the user: the OpenBLAS computes with one thread."""
     report, mlx_sgemm, stderr = run_child(tmp_path, threads=1)
-    assert report["loaded"] is not None, report["status"]
+    check_optimized(report, mlx_sgemm, stderr, few_rows=HAS_COMPILER)
     assert report["threads"] == 1
-    assert mlx_sgemm == os.path.realpath(report["provider_name"])
-    assert stderr == ""
+
+
+def test_without_few_rows_mlx_calls_openblas_itself(tmp_path):
+    report, mlx_sgemm, stderr = run_child(tmp_path, few_rows=False)
+    check_optimized(report, mlx_sgemm, stderr, few_rows=False)
+    assert "T5_SPEC_NO_FEW_ROWS is set" in report["status"]
+
+
+def test_without_a_compiler_mlx_calls_openblas_itself(tmp_path):
+    report, mlx_sgemm, stderr = run_child(tmp_path, compiler=str(tmp_path / "no-such-cc"))
+    check_optimized(report, mlx_sgemm, stderr, few_rows=False)
+    assert "few_rows.c not used" in report["status"]
 
 
 def test_disabled_keeps_the_bundled_reference_blas(tmp_path):
@@ -179,3 +229,46 @@ def test_too_late_after_mlx_says_so(tmp_path):
     assert report["loaded"] is None
     assert is_bundled(mlx_sgemm), mlx_sgemm
     assert "import blas before mlx" in stderr
+
+
+# (rows, inputs, outputs, A transposed, B transposed, the path few_rows.c takes)
+PRODUCTS = [
+    (3, 40, 50, False, True, "tiny"),
+    (3, 40, 50, True, False, "tiny"),
+    (1, 300, 1000, False, True, "by rows of sgemv"),
+    (2, 300, 1000, True, False, "by rows of sgemv"),
+    (5, 300, 1000, False, True, "padded"),
+    (13, 300, 1000, False, False, "padded"),
+    (5, 300, 1000, True, True, "passed on"),  # a transposed A is not padded
+    (64, 300, 1000, False, True, "passed on"),
+]
+
+
+@pytest.mark.parametrize("addmm", [False, True], ids=["matmul", "addmm"])
+@pytest.mark.parametrize("rows, inputs, outputs, a_transposed, b_transposed, path", PRODUCTS)
+def test_every_path_of_few_rows_computes_the_product(
+    rows, inputs, outputs, a_transposed, b_transposed, path, addmm
+):
+    """``alpha op(A) op(B) + beta C`` against float64, with A and B as MLX
+    passes them when they are transposed views, through the path named."""
+    if blas.few_rows_counts() is None:
+        pytest.skip(f"few_rows.c is not in use: {blas.status()}")
+    rng = np.random.default_rng(rows * inputs + outputs)
+    a = rng.standard_normal((rows, inputs)).astype(np.float32)
+    b = rng.standard_normal((inputs, outputs)).astype(np.float32)
+    c = rng.standard_normal((rows, outputs)).astype(np.float32)
+    a_mx = mx.array(a.T.copy()).T if a_transposed else mx.array(a)
+    b_mx = mx.array(b.T.copy()).T if b_transposed else mx.array(b)
+    alpha, beta = (0.5, 2.0) if addmm else (1.0, 0.0)
+    before = blas.few_rows_counts()
+    if addmm:
+        product = mx.addmm(mx.array(c), a_mx, b_mx, alpha=alpha, beta=beta)
+    else:
+        product = a_mx @ b_mx
+    product = np.array(product)
+    counts = blas.few_rows_counts()
+    assert counts[path] == before[path] + 1, (before, counts)
+    expected = alpha * a.astype(np.float64) @ b.astype(np.float64) + beta * c
+    # float32 rounding of sums of `inputs` products
+    scale = np.abs(a).astype(np.float64) @ np.abs(b) + np.abs(c)
+    assert np.abs(product - expected).max() <= 1e-6 * inputs**0.5 * scale.max()

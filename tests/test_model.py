@@ -57,10 +57,10 @@ def transformers_logits(
 
 
 # On the CPU a 150-token prompt's encoder attention takes model.softmax_cpu's
-# path (2 x 4 heads x 150 x 150 scores), a 23-token one the built-in softmax;
+# path (2 x 4 heads x 150 x 150 scores), an 11-token one the built-in softmax;
 # "150/37": the encoder attends over blocks of 37 queries (the last shorter),
 # as it does for long prompts, each block's position bias a view of one table.
-@pytest.mark.parametrize("prompt_length, block", [(23, None), (150, None), (150, 37)])
+@pytest.mark.parametrize("prompt_length, block", [(11, None), (150, None), (150, 37)])
 @pytest.mark.parametrize("name", PARITY_CONFIGS)
 def test_logits_match_transformers(
     name, prompt_length, block, hf_checkpoint, converted, monkeypatch
