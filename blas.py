@@ -77,7 +77,7 @@ DISABLE_ENV = "T5_SPEC_NO_BLAS"
 FEW_ROWS_DISABLE_ENV = "T5_SPEC_NO_FEW_ROWS"
 FEW_ROWS_SOURCE = Path(__file__).with_name("few_rows.c")
 # The paths of few_rows.c, in the order of its counters.
-FEW_ROWS_PATHS = ("tiny", "by rows of sgemv", "padded", "passed on")
+FEW_ROWS_PATHS = ("tiny", "streamed", "padded", "passed on")
 THREADED_PACKAGE = "ngsolve-openblas"
 # Carries the Fortran runtime the threaded OpenBLAS needs, and an OpenBLAS of its own.
 PACKAGE = "scs"
@@ -201,7 +201,10 @@ def _load_few_rows(openblas: ctypes.CDLL) -> None:
             f"; few_rows.c not used ({reason}): few-row products as OpenBLAS does them"
         )
         return
-    few_rows.few_rows_use(openblas.cblas_sgemm, openblas.cblas_sgemv)
+    # Without OpenBLAS's thread pool (a single-threaded build), streamed products use one thread.
+    pool = getattr(openblas, "gotoblas_pthread", None)
+    threads = openblas.openblas_get_num_threads() if pool is not None else 1
+    few_rows.few_rows_use(openblas.cblas_sgemm, openblas.cblas_sgemv, pool, threads)
     _few_rows = few_rows
     _few_rows_status = "; few-row products by few_rows.c"
 

@@ -11,9 +11,12 @@
  * - Tiny products (one token's attention scores over 60 keys: 3,840
  *   multiply-adds) cost more in OpenBLAS's call than in arithmetic; computed
  *   here, 16 lanes at a time, 512 of them took 168 us instead of 451.
- * - One or two rows: OpenBLAS first copies the whole weight into its packed
- *   layout. sgemv reads it once, where it lies: x W^T for W 8192 x 256 took
- *   214 us per row instead of 363 (one row) and 303 instead of 450 (two).
+ * - Up to 4 rows (2 over rows of B shorter than 1,024): OpenBLAS first
+ *   copies the whole of B into its packed layout. Streamed instead, each of
+ *   OpenBLAS's threads reading its share of B once, where it lies (as its
+ *   sgemv does), x W^T for W 8192 x 256 took 210 us instead of 315-373 (one
+ *   row) and 272 instead of 402-482 (two), and for W 256 x 8192 at 4 rows
+ *   280 instead of 441-480.
  * - Other row counts that are not a multiple of 8: slower than the next
  *   multiple of 8 (6 rows 694 us, 8 rows 384; 14 rows 838, 16 rows 538),
  *   so they are computed as that many, the extra rows zero.
@@ -21,6 +24,9 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef void (*sgemm_fn)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                          const float *a, int lda, const float *b, int ldb, float beta, float *c,
@@ -33,24 +39,50 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 /* Products of at most this many multiply-adds are computed here: OpenBLAS's
  * call overhead dominates them. */
 #define TINY_SIZE (1 << 17)
-/* Up to this many rows, one sgemv per row. */
-#define VECTOR_ROWS 2
+/* Up to this many rows, the product streams B once, split between the threads:
+ * up to STREAMED_ROWS when B's rows are at least LONG_ROWS long, else up to
+ * SHORT_STREAMED_ROWS (each output's sum ends with a reduction across lanes,
+ * which over short rows costs as much as their multiply-adds at 3 or 4 rows). */
+#define STREAMED_ROWS 4
+#define SHORT_STREAMED_ROWS 2
+#define LONG_ROWS 1024
+
+/* The streamed kernel keeps 4 x 4 sums of 16 lanes in registers: AVX-512 has
+ * 32 of them, AVX2 16 of half the width. Without AVX-512 (where it measured
+ * 1.5x OpenBLAS's sgemv at one row), up to SHORT_STREAMED_ROWS rows are
+ * computed by one sgemv each instead, which also reads B where it lies. */
+#ifdef __AVX512F__
+#define STREAMED_LIMIT(k) ((k) >= LONG_ROWS ? STREAMED_ROWS : SHORT_STREAMED_ROWS)
+#else
+#define STREAMED_LIMIT(k) SHORT_STREAMED_ROWS
+#endif
 /* Row counts below this are padded to a multiple of ROW_MULTIPLE... */
 #define PADDED_ROWS 64
 #define ROW_MULTIPLE 8
 /* ...when B has at least this many values: padding small products costs more than it saves. */
 #define PADDED_MIN_SIZE (1 << 16)
 
+/* OpenBLAS's gotoblas_pthread(): runs function(args + i stride) for i < count on
+ * its own threads (the calling one included), as its sgemv does its share. */
+typedef int (*pool_fn)(int count, void (*function)(void *), void *args, int stride);
+#define MAX_THREADS 64
+
 static sgemm_fn blas_sgemm;
 static sgemv_fn blas_sgemv;
+static pool_fn blas_pool;
 
 /* Products taken by each path: tiny, by rows of sgemv, padded, passed on as they are. */
-enum { TINY, BY_ROWS, PADDED, PASSED_ON };
+enum { TINY, STREAMED, PADDED, PASSED_ON };
 atomic_long few_rows_counts[4];
+static int threads = 1;
 
-void few_rows_use(sgemm_fn sgemm, sgemv_fn sgemv) {
+/* OpenBLAS's cblas_sgemm, cblas_sgemv, its gotoblas_pthread (NULL: compute on
+ * the calling thread alone) and its thread count. */
+void few_rows_use(sgemm_fn sgemm, sgemv_fn sgemv, pool_fn pool, int num_threads) {
     blas_sgemm = sgemm;
     blas_sgemv = sgemv;
+    blas_pool = pool;
+    threads = num_threads < 1 ? 1 : num_threads > MAX_THREADS ? MAX_THREADS : num_threads;
 }
 
 #define LANES 16
@@ -92,21 +124,93 @@ static void tiny(int trans_a, int trans_b, int m, int n, int k, float alpha, con
     }
 }
 
-/* C = alpha op(A) op(B) + beta C, row by row: row i of C is op(B)^T times row i of op(A). */
-static void by_rows(int trans_a, int trans_b, int m, int n, int k, float alpha, const float *a,
-                    int lda, const float *b, int ldb, float beta, float *c, int ldc) {
-    /* Row i of op(A): a row of A, or a column of A when A is transposed. */
-    long row_step = trans_a == NO_TRANS ? lda : 1;
-    int a_stride = trans_a == NO_TRANS ? 1 : lda;
-    for (int i = 0; i < m; i++) {
-        const float *x = a + i * row_step;
-        float *y = c + (long)i * ldc;
-        if (trans_b == NO_TRANS) /* B is k x n: y = B^T x */
-            blas_sgemv(ROW_MAJOR, TRANS, k, n, alpha, b, ldb, x, a_stride, beta, y, 1);
-        else /* B is n x k: y = B x */
-            blas_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, x, a_stride, beta, y, 1);
+#ifdef __AVX512F__
+typedef float lanes16 __attribute__((vector_size(64)));
+
+static inline lanes16 load16(const float *p) {
+    lanes16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline float sum16(lanes16 x) { return _mm512_reduce_add_ps((__m512)x); }
+
+/* Columns j .. j + 3 of C = alpha A B^T + beta C over m <= STREAMED_ROWS rows:
+ * the four rows of B are read once, each in step with the m rows of A. */
+static inline __attribute__((always_inline)) void four_columns(
+    const int m, int j, int k, float alpha, const float *a, long lda, const float *b, long ldb,
+    float beta, float *c, long ldc) {
+    lanes16 sums[4][STREAMED_ROWS];
+    for (int o = 0; o < 4; o++)
+        for (int i = 0; i < m; i++)
+            sums[o][i] = (lanes16){0};
+    const float *rows = b + j * ldb;
+    int l = 0;
+    for (; l + 16 <= k; l += 16) {
+        lanes16 column[4];
+        for (int o = 0; o < 4; o++)
+            column[o] = load16(rows + o * ldb + l);
+        for (int i = 0; i < m; i++) {
+            lanes16 x = load16(a + i * lda + l);
+            for (int o = 0; o < 4; o++)
+                sums[o][i] += x * column[o];
+        }
+    }
+    for (int i = 0; i < m; i++)
+        for (int o = 0; o < 4; o++) {
+            float sum = sum16(sums[o][i]);
+            for (int t = l; t < k; t++)
+                sum += a[i * lda + t] * rows[o * ldb + t];
+            float *out = c + i * ldc + j + o;
+            *out = (beta == 0.0f ? 0.0f : beta * *out) + alpha * sum;
+        }
+}
+
+/* Columns j0 .. j1 - 1 (a multiple of 4 apart) of the streamed product, m rows. */
+static inline __attribute__((always_inline)) void columns(
+    const int m, int j0, int j1, int k, float alpha, const float *a, long lda, const float *b,
+    long ldb, float beta, float *c, long ldc) {
+    for (int j = j0; j < j1; j += 4)
+        four_columns(m, j, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+/* One thread's share of a streamed product: columns j0 .. j1 - 1. */
+struct share {
+    int m, k, lda, ldb, ldc, j0, j1;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+};
+
+static void compute_share(void *argument) {
+    const struct share *s = argument;
+    switch (s->m) { /* a constant m in each case: its sums stay in registers */
+    case 1: columns(1, s->j0, s->j1, s->k, s->alpha, s->a, s->lda, s->b, s->ldb, s->beta, s->c, s->ldc); break;
+    case 2: columns(2, s->j0, s->j1, s->k, s->alpha, s->a, s->lda, s->b, s->ldb, s->beta, s->c, s->ldc); break;
+    case 3: columns(3, s->j0, s->j1, s->k, s->alpha, s->a, s->lda, s->b, s->ldb, s->beta, s->c, s->ldc); break;
+    default: columns(4, s->j0, s->j1, s->k, s->alpha, s->a, s->lda, s->b, s->ldb, s->beta, s->c, s->ldc);
     }
 }
+
+/* C = alpha A B^T + beta C for m <= STREAMED_ROWS rows, B n x k: each of
+ * OpenBLAS's threads streams its share of B's rows once (sgemm would first
+ * copy all of B into its packed layout); the last n % 4 columns go to tiny(). */
+static void streamed(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                     int ldb, float beta, float *c, int ldc) {
+    int blocks = n / 4, count = blas_pool == NULL ? 1 : threads;
+    struct share shares[MAX_THREADS];
+    for (int t = 0; t < count; t++)
+        shares[t] = (struct share){m, k, lda, ldb, ldc, 4 * (int)((long)blocks * t / count),
+                                   4 * (int)((long)blocks * (t + 1) / count), alpha, beta, a, b, c};
+    if (count > 1)
+        blas_pool(count, compute_share, shares, sizeof shares[0]);
+    else
+        compute_share(shares);
+    if (n % 4)
+        tiny(NO_TRANS, TRANS, m, n % 4, k, alpha, a, lda, b + (long)(n - n % 4) * ldb, ldb, beta,
+             c + (n - n % 4), ldc);
+}
+#endif
 
 /* The product over m rows rounded up to ROW_MULTIPLE, the extra rows of op(A) zero;
  * 0 if there was no memory for the copies. */
@@ -141,9 +245,16 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
         tiny(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return;
     }
-    if (order == ROW_MAJOR && m <= VECTOR_ROWS && m > 0 && n > 0 && k > 0) {
-        atomic_fetch_add(&few_rows_counts[BY_ROWS], 1);
-        by_rows(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && m > 0 &&
+        m <= STREAMED_LIMIT(k) && (long)n * k >= PADDED_MIN_SIZE) {
+        atomic_fetch_add(&few_rows_counts[STREAMED], 1);
+#ifdef __AVX512F__
+        streamed(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#else
+        for (int i = 0; i < m; i++) /* row i of C is B times row i of A */
+            blas_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, a + (long)i * lda, 1, beta,
+                       c + (long)i * ldc, 1);
+#endif
         return;
     }
     if (order == ROW_MAJOR && trans_a == NO_TRANS && m < PADDED_ROWS && m % ROW_MULTIPLE != 0 &&

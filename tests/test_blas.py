@@ -46,11 +46,11 @@ import blas
 import mlx.core as mx
 
 # Float32 matmuls through cblas_sgemm, one per path of few_rows.c (tiny,
-# by rows, padded, passed on), each checked against a sum done by hand.
-for rows, inputs, outputs in [(4, 48, 32), (1, 300, 1000), (3, 300, 1000), (64, 300, 1000)]:
+# streamed, padded, passed on), each checked against a sum done by hand.
+for rows, inputs, outputs in [(4, 48, 32), (1, 300, 1000), (5, 300, 1000), (64, 300, 1000)]:
     a = mx.arange(rows * inputs, dtype=mx.float32).reshape(rows, inputs) / 1000
-    b = mx.ones((inputs, outputs), dtype=mx.float32)
-    product = a @ b
+    b = mx.ones((outputs, inputs), dtype=mx.float32)
+    product = a @ b.T  # as a Linear layer multiplies
     mx.eval(product)
     expected = (a.sum(axis=1, keepdims=True) * mx.ones((1, outputs)))
     assert mx.allclose(product, expected, rtol=1e-5).item()
@@ -96,6 +96,8 @@ print(json.dumps({
 
 
 THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
+# few_rows.c is compiled for this CPU; with AVX-512 it streams up to 4 rows.
+AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
 # A C compiler: without one, blas.py leaves few_rows.c out.
 HAS_COMPILER = bool(os.environ.get("CC") or shutil.which("cc"))
 
@@ -235,8 +237,13 @@ def test_too_late_after_mlx_says_so(tmp_path):
 PRODUCTS = [
     (3, 40, 50, False, True, "tiny"),
     (3, 40, 50, True, False, "tiny"),
-    (1, 300, 1000, False, True, "by rows of sgemv"),
-    (2, 300, 1000, True, False, "by rows of sgemv"),
+    (1, 300, 1000, False, True, "streamed"),
+    (2, 300, 1001, False, True, "streamed"),  # the last column after the blocks of 4
+    # Long rows: up to 4 with AVX-512 (few_rows.c's own kernel), else 2 (sgemv).
+    (4, 1024, 301, False, True, "streamed" if AVX512 else "padded"),
+    (3, 300, 1000, False, True, "padded"),  # short rows: up to 2
+    (2, 300, 1000, True, True, "passed on"),  # only A B^T streams
+    (2, 300, 1000, False, False, "padded"),
     (5, 300, 1000, False, True, "padded"),
     (13, 300, 1000, False, False, "padded"),
     (5, 300, 1000, True, True, "passed on"),  # a transposed A is not padded
