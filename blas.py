@@ -41,14 +41,16 @@ matrix at a time; OpenBLAS is slow on both: its call costs more than a tiny
 product, it copies the whole weight into its packed layout before it
 multiplies, and row counts that are not a multiple of 8 cost as much as the
 next multiple of 8 or more. ``few_rows.c`` defines a ``cblas_sgemm`` that
-computes tiny products itself, one or two rows with ``cblas_sgemv`` (which
-reads the weight where it lies: 1.5-1.7x faster) and other few-row products
-padded to a multiple of 8 rows, and passes everything else to OpenBLAS.
+computes tiny products itself, streams products over up to 4 rows through
+each weight once, where it lies, on OpenBLAS's threads (with AVX-512; else
+one ``cblas_sgemv`` per row, up to 2), pads other few-row products to a
+multiple of 8 rows, and passes everything else to OpenBLAS.
 With a C compiler (``$CC``, else ``cc``), it is compiled for this CPU into a
 private temporary directory (about 0.1 s), loaded with ``RTLD_GLOBAL`` just
 before the OpenBLAS, so that MLX's ``cblas_sgemm`` binds to it, and the
 directory goes. Without a compiler, MLX calls OpenBLAS directly. (MLX itself
-compiles its fused CPU kernels with the system's C++ compiler.) Set ``T5_SPEC_NO_FEW_ROWS=1`` to skip it.
+compiles its fused CPU kernels with the system's C++ compiler.) Set
+``T5_SPEC_NO_FEW_ROWS=1`` to skip it.
 
 Set ``T5_SPEC_NO_BLAS=1`` to skip all this and keep MLX's bundled reference
 BLAS (to compare, or to rule the optimized library out).
