@@ -48,9 +48,9 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 #define LONG_ROWS 1024
 
 /* The streamed kernel keeps 4 x 4 sums of 16 lanes in registers: AVX-512 has
- * 32 of them, AVX2 16 of half the width. Without AVX-512 (where it measured
- * 1.5x OpenBLAS's sgemv at one row), up to SHORT_STREAMED_ROWS rows are
- * computed by one sgemv each instead, which also reads B where it lies. */
+ * 32 of them, AVX2 16 of half the width (built for AVX2 it took 1.7x the time
+ * of OpenBLAS's sgemv at one row). Without AVX-512, up to SHORT_STREAMED_ROWS
+ * rows are computed by one sgemv each instead, which also reads B where it lies. */
 #ifdef __AVX512F__
 #define STREAMED_LIMIT(k) ((k) >= LONG_ROWS ? STREAMED_ROWS : SHORT_STREAMED_ROWS)
 #else
@@ -71,7 +71,8 @@ static sgemm_fn blas_sgemm;
 static sgemv_fn blas_sgemv;
 static pool_fn blas_pool;
 
-/* Products taken by each path: tiny, by rows of sgemv, padded, passed on as they are. */
+/* Products taken by each path: tiny, streamed (by the kernel below or by rows of
+ * sgemv), padded, passed on as they are. */
 enum { TINY, STREAMED, PADDED, PASSED_ON };
 atomic_long few_rows_counts[4];
 static int threads = 1;
