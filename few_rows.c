@@ -49,12 +49,13 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 /* The streamed kernel keeps 4 x 4 sums of 16 lanes in registers: AVX-512 has
  * 32 of them, AVX2 16 of half the width (built for AVX2 it took 1.7x the time
- * of OpenBLAS's sgemv at one row). Without AVX-512, up to SHORT_STREAMED_ROWS
- * rows are computed by one sgemv each instead, which also reads B where it lies. */
+ * of OpenBLAS's sgemv at one row). Without AVX-512, or without OpenBLAS's
+ * thread pool, up to SHORT_STREAMED_ROWS rows are computed by one sgemv each
+ * instead, which also reads B where it lies. */
 #ifdef __AVX512F__
-#define STREAMED_LIMIT(k) ((k) >= LONG_ROWS ? STREAMED_ROWS : SHORT_STREAMED_ROWS)
+#define OWN_KERNEL (blas_pool != NULL)
 #else
-#define STREAMED_LIMIT(k) SHORT_STREAMED_ROWS
+#define OWN_KERNEL 0
 #endif
 /* Row counts below this are padded to a multiple of ROW_MULTIPLE... */
 #define PADDED_ROWS 64
@@ -198,7 +199,7 @@ static void compute_share(void *argument) {
  * copy all of B into its packed layout); the last n % 4 columns go to tiny(). */
 static void streamed(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                      int ldb, float beta, float *c, int ldc) {
-    int blocks = n / 4, count = blas_pool == NULL ? 1 : threads;
+    int blocks = n / 4, count = threads;
     struct share shares[MAX_THREADS];
     for (int t = 0; t < count; t++)
         shares[t] = (struct share){m, k, lda, ldb, ldc, 4 * (int)((long)blocks * t / count),
@@ -246,16 +247,19 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
         tiny(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return;
     }
+    int streamed_rows = OWN_KERNEL && k >= LONG_ROWS ? STREAMED_ROWS : SHORT_STREAMED_ROWS;
     if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && m > 0 &&
-        m <= STREAMED_LIMIT(k) && (long)n * k >= PADDED_MIN_SIZE) {
+        m <= streamed_rows && (long)n * k >= PADDED_MIN_SIZE) {
         atomic_fetch_add(&few_rows_counts[STREAMED], 1);
 #ifdef __AVX512F__
-        streamed(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-#else
+        if (OWN_KERNEL) {
+            streamed(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+            return;
+        }
+#endif
         for (int i = 0; i < m; i++) /* row i of C is B times row i of A */
             blas_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, a + (long)i * lda, 1, beta,
                        c + (long)i * ldc, 1);
-#endif
         return;
     }
     if (order == ROW_MAJOR && trans_a == NO_TRANS && m < PADDED_ROWS && m % ROW_MULTIPLE != 0 &&
