@@ -196,9 +196,9 @@ def _load_few_rows(openblas: ctypes.CDLL) -> None:
             subprocess.run(command, check=True, capture_output=True, timeout=120)
             few_rows = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
     except (OSError, subprocess.SubprocessError) as error:
-        reason = getattr(error, "stderr", None) or str(error)
-        if isinstance(reason, bytes):
-            reason = reason.decode(errors="replace").strip().splitlines()[0]
+        # The compiler's first line of complaint, else the error itself.
+        detail = (getattr(error, "stderr", None) or b"").decode(errors="replace").strip()
+        reason = detail.splitlines()[0] if detail else str(error)
         _few_rows_status = (
             f"; few_rows.c not used ({reason}): few-row products as OpenBLAS does them"
         )

@@ -208,8 +208,14 @@ def test_without_few_rows_mlx_calls_openblas_itself(tmp_path):
     assert "T5_SPEC_NO_FEW_ROWS is set" in report["status"]
 
 
-def test_without_a_compiler_mlx_calls_openblas_itself(tmp_path):
-    report, mlx_sgemm, stderr = run_child(tmp_path, compiler=str(tmp_path / "no-such-cc"))
+@pytest.mark.parametrize("compiler", ["missing", "failing silently"])
+def test_without_a_compiler_mlx_calls_openblas_itself(compiler, tmp_path):
+    """No compiler, or one that fails with nothing but a blank line to say."""
+    path = tmp_path / "cc"
+    if compiler == "failing silently":
+        path.write_text("#!/bin/sh\necho >&2\nexit 1\n")
+        path.chmod(0o755)
+    report, mlx_sgemm, stderr = run_child(tmp_path, compiler=str(path))
     check_optimized(report, mlx_sgemm, stderr, few_rows=False)
     assert "few_rows.c not used" in report["status"]
 
