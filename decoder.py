@@ -23,12 +23,15 @@ a batch of one. Drafters and the draft-length rule live in ``drafting.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 # First: the fast BLAS on Linux must load before mlx (see model.py).
 import blas  # noqa: F401  # isort: skip
@@ -43,6 +46,7 @@ from drafting import (
     HybridDrafter,
     ModelDrafter,
     PromptLookupDrafter,
+    RoundTimes,
     acceptance_counts,
     pass_times,
     trim_to,
@@ -164,6 +168,8 @@ class Row:
     result: GenerationResult | None = None  # set when the row joins the batch
     key: mx.array | None = None  # its stream of random numbers, from the seed
     start: float = 0.0  # time.perf_counter() when its prompt processing began
+    # Its own draft tokens accepted and tested, per source and position (see DraftLength).
+    acceptance: dict[str, np.ndarray] = dataclasses.field(default_factory=acceptance_counts)
 
 
 GREEDY = Sampling()
@@ -257,6 +263,7 @@ class BatchGenerator:
         live = [row for row in self.rows if row is not None]
         if not live:
             return []
+        tic = time.perf_counter()
         decoder = self.decoder
         # A free place decodes the start token again and drafts nothing
         # (its limit is 0); it samples as a live row does, so that the batch
@@ -276,7 +283,10 @@ class BatchGenerator:
             next_keys, verify_keys, draft_keys = split_keys(row_keys, 3)
         draft = None
         if self.drafter is not None and max(limits) > 0:
-            choose = self.draft_length.choose
+            drafting_rows = [row.acceptance for row, limit in zip(rows, limits) if limit > 0]
+            choose = functools.partial(
+                self.draft_length.choose, batch_size=len(rows), rows=drafting_rows
+            )
             draft = self.drafter.propose(sequences, sampling, choose, limits, draft_keys)
         draft = draft or Draft.empty(len(rows))
         # The main cache holds every accepted position of a row but its
@@ -316,7 +326,9 @@ class BatchGenerator:
                 new_tokens = new_tokens[:end]
             result = row.result
             if num_draft > 0:
-                self.draft_length.update(draft.sources[i], accepted, accepted + int(rejected))
+                self.draft_length.update(
+                    draft.sources[i], accepted, accepted + int(rejected), row.acceptance
+                )
                 result.draft_lengths.append(num_draft)
                 result.n_lookup_rounds += draft.sources[i] == "lookup"
             result.n_steps += 1
@@ -332,6 +344,8 @@ class BatchGenerator:
             events.append((row.uid, snapshot(result)))
             if result.finished:
                 self._free(i)
+        if self.draft_length is not None:
+            self.draft_length.timed(draft, time.perf_counter() - tic)
         return events
 
     def _free(self, place: int) -> None:
@@ -428,21 +442,19 @@ class BatchGenerator:
         if not self.speculative:
             return 0.0
         decoder = self.decoder
+        batch_size = self.cost_batch_size or len(joining)
         costs, tic = {}, time.perf_counter()
         if decoder.num_draft == "auto":
-            costs = decoder.measure_costs(
-                joining[0].prompt_ids, self.cost_batch_size or len(joining)
-            )
-        # Acceptance depends on the pair, how lookup matches, sampling and delta.
-        key = (
-            decoder.drafting,
-            decoder.prompt_lookup,
-            id(decoder.draft_model),
-            joining[0].sampling,
-            decoder.delta,
+            costs = decoder.measure_costs(joining[0].prompt_ids, batch_size)
+        # Acceptance depends on the pair, how lookup matches, sampling and delta;
+        # round times on the pair, how lookup matches and whether rows sample.
+        drafting = decoder.drafting, decoder.prompt_lookup, id(decoder.draft_model)
+        sampling = joining[0].sampling
+        earlier = decoder.acceptance.setdefault(
+            (*drafting, sampling, decoder.delta), acceptance_counts()
         )
-        earlier = decoder.acceptance.setdefault(key, acceptance_counts())
-        self.draft_length = DraftLength(decoder.num_draft, costs, earlier)
+        times = decoder.round_times.setdefault((*drafting, sampling.greedy), RoundTimes())
+        self.draft_length = DraftLength(decoder.num_draft, costs, earlier, times)
         return time.perf_counter() - tic if decoder.num_draft == "auto" else 0.0
 
 
@@ -492,6 +504,7 @@ class SpeculativeDecoder:
         self.prompt_lookup = prompt_lookup
         self._costs = {}  # round costs per source, draft model and batch size: see measure_costs
         self.acceptance = {}  # per way of drafting: see DraftLength
+        self.round_times = {}  # per way of drafting: see RoundTimes
 
     @property
     def drafting(self) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,8 +33,11 @@ from sampling import RowSampling, Sampling, split_keys
 # The most draft tokens "auto" proposes per round.
 MAX_AUTO_DRAFT = 16
 # Every this many rounds "auto" drafts one token more than it judges best,
-# so that it keeps testing the position past its choice (see DraftLength).
+# or in turn (when it drafts) none: so that it keeps testing the position
+# past its choice, and timing plain rounds (see DraftLength).
 PROBE_EVERY = 8
+# "auto" weighs the median time of the last this many rounds of each length.
+TIMED_ROUNDS = 9
 # Before a generation's first tested draft token at a given position, "auto"
 # assumes this acceptance rate there, weighted as this many tested tokens.
 PRIOR_ACCEPTANCE = 0.75
@@ -362,19 +366,23 @@ def expected_tokens_per_round(alpha: float, num_draft: int) -> float:
     return (1 - alpha ** (num_draft + 1)) / (1 - alpha)
 
 
-def best_num_draft(acceptance: list[float], round_costs: list[float]) -> int:
+def best_num_draft(acceptance: np.ndarray, round_costs: list[float]) -> int:
     """The g in 0 .. len(round_costs) - 1 with the most expected tokens per
     unit of time. ``acceptance[i]`` is the probability that draft token i + 1
     is accepted once the tokens before it were, so a round of g yields
     ``1 + a_1 + a_1 a_2 + ... + a_1 ... a_g`` tokens (eq. 1 when every a_i is
-    the same alpha); it costs ``round_costs[g]``: the time of a round that
-    drafts g tokens and verifies them in a main pass over g + 1, relative to
-    a plain main-model step (``round_costs[0] == 1``). g = 0 is that plain
-    step, one token per pass: the choice when drafting does not pay."""
-    reach = np.cumprod(acceptance[: len(round_costs) - 1])  # a_1 ... a_i
-    # Index g: the tokens a round of g draft tokens yields.
-    tokens = 1 + np.concatenate([[0.0], np.cumsum(reach)])
-    return max(range(len(round_costs)), key=lambda g: tokens[g] / round_costs[g])
+    the same alpha); with one such row of rates per row of a batch, the
+    batch's mean. The round costs ``round_costs[g]``: the time of a round
+    that drafts g tokens and verifies them in a main pass over g + 1,
+    relative to a plain main-model step (``round_costs[0] == 1``). g = 0 is
+    that plain step, one token per pass: the choice when drafting does not
+    pay."""
+    rates = np.atleast_2d(acceptance)[:, : len(round_costs) - 1]
+    reach = np.cumprod(rates, axis=1)  # a_1 ... a_i
+    # Index g: the tokens a round of g draft tokens yields, per row.
+    tokens = 1 + np.concatenate([np.zeros((len(rates), 1)), np.cumsum(reach, axis=1)], axis=1)
+    per_round = tokens.mean(axis=0)
+    return max(range(len(round_costs)), key=lambda g: per_round[g] / round_costs[g])
 
 
 def acceptance_counts() -> dict[str, np.ndarray]:
@@ -382,9 +390,73 @@ def acceptance_counts() -> dict[str, np.ndarray]:
     return {source: np.zeros((2, MAX_AUTO_DRAFT)) for source in DRAFT_SOURCES}
 
 
+def round_source(draft: Draft) -> str:
+    """The kind of round that drafted ``draft``: "plain" when no row drafted,
+    "model" when any row drafted from the model (its draft steps cost the
+    round most), else "lookup"."""
+    sources = {source for source, length in zip(draft.sources, draft.lengths) if length}
+    if not sources:
+        return "plain"
+    return "model" if "model" in sources else "lookup"
+
+
+class RoundTimes:
+    """The seconds that rounds of each draft source, draft length and number
+    of rows took, as the loop ran them: the last ``TIMED_ROUNDS`` of each.
+    They correct what the calibration (``pass_times``) measured: its passes
+    run alone, on rows of one prompt, so they leave out what a round of real
+    rows pays besides, which in a large batch costs a drafted round more
+    than a plain one. Rounds compare only at the same number of rows: a
+    batch whose prompts are finishing runs faster with every row it drops.
+    Rows that no plain and drafted rounds were both timed over (a batch's
+    last rounds, as its prompts finish) take the nearest rows' timings."""
+
+    def __init__(self):
+        # Per number of rows, per (source or "plain", draft length): seconds.
+        self.seconds: dict[int, dict[tuple[str, int], deque[float]]] = {}
+
+    def record(self, source: str, num_draft: int, batch_size: int, seconds: float) -> None:
+        """A round over ``batch_size`` rows drafting up to ``num_draft`` tokens
+        per row from ``source`` (``round_source``) took ``seconds``."""
+        kind = ("plain", 0) if source == "plain" else (source, num_draft)
+        rounds = self.seconds.setdefault(batch_size, {})
+        rounds.setdefault(kind, deque(maxlen=TIMED_ROUNDS)).append(seconds)
+
+    def costs(self, source: str, calibrated: list[float], batch_size: int) -> list[float]:
+        """``calibrated`` round costs of ``source`` (see ``best_num_draft``)
+        corrected by the rounds timed over ``batch_size`` rows, or the
+        nearest number of rows that both plain and drafted rounds were timed
+        over: a length timed costs its median over that of plain rounds; the
+        others their calibrated cost scaled as the timed lengths were (by the
+        mean of measured over calibrated, weighted by rounds timed).
+        Calibrated as they are until both were timed."""
+        timed = [
+            rows
+            for rows, rounds in self.seconds.items()
+            if ("plain", 0) in rounds and any(kind[0] == source for kind in rounds)
+        ]
+        if not timed:
+            return calibrated
+        # The nearest number of rows timed (the more of two as near).
+        rounds = self.seconds[min(timed, key=lambda rows: (abs(rows - batch_size), -rows))]
+        plain = statistics.median(rounds["plain", 0])
+        measured = {
+            num_draft: statistics.median(times) / plain
+            for (kind, num_draft), times in rounds.items()
+            if kind == source
+        }
+        weights = [len(rounds[source, num_draft]) for num_draft in measured]
+        ratios = [cost / calibrated[num_draft] for num_draft, cost in measured.items()]
+        scale = np.average(ratios, weights=weights)
+        return [1.0] + [
+            measured.get(num_draft, calibrated[num_draft] * scale)
+            for num_draft in range(1, len(calibrated))
+        ]
+
+
 class DraftLength:
     """Draft tokens per round: a fixed number, or for ``"auto"`` the g that
-    ``best_num_draft`` picks from measured costs and the acceptance so far,
+    ``best_num_draft`` picks from the round costs and the acceptance so far,
     kept apart for each draft source and each position in the draft:
     acceptance is not independent from token to token (a draft that got past
     its first tokens tends to go on agreeing), so one rate for all positions
@@ -398,21 +470,27 @@ class DraftLength:
     rate moves only where tokens are tested, so without that a position
     that an unlucky start made look poor (or a draft that stopped paying
     for itself, at g = 0) would never be drafted, and so never corrected,
-    again.
+    again. When it drafts, every other such round is a plain step instead,
+    starting with the first: ``times`` measures drafted rounds against plain
+    ones, so it needs both.
 
     ``earlier`` holds, per source, the [accepted, tested] counts per position
     of the decoder's earlier generations, and is updated too. This
     generation starts from their rate (itself starting from the prior),
-    weighted as PRIOR_WEIGHT tokens, so its own rounds soon outweigh it."""
+    weighted as PRIOR_WEIGHT tokens, so its own rounds soon outweigh it.
+    ``times`` (``RoundTimes``, shared with the decoder's earlier generations
+    drafting the same way) holds what rounds took."""
 
     def __init__(
         self,
         num_draft: int | str,
         round_costs: dict[str, list[float]],
         earlier: dict[str, np.ndarray] | None = None,
+        times: RoundTimes | None = None,
     ):
         self.num_draft = num_draft
-        self.round_costs = round_costs  # per source: see best_num_draft
+        self.round_costs = round_costs  # per source, calibrated: see best_num_draft
+        self.times = RoundTimes() if times is None else times
         self.earlier = acceptance_counts() if earlier is None else earlier
         self.counts = {}  # per source: [accepted, tested] per position, prior included
         for source, (accepted, tested) in self.earlier.items():
@@ -420,20 +498,56 @@ class DraftLength:
             self.counts[source] = np.stack([rate * PRIOR_WEIGHT, np.full_like(rate, PRIOR_WEIGHT)])
         self.rounds = dict.fromkeys(DRAFT_SOURCES, 0)  # rounds "auto" chose a length for
 
-    def choose(self, source: str) -> int:
-        """Draft tokens for the next round from ``source``; 0: a plain step."""
+    def choose(
+        self,
+        source: str,
+        batch_size: int = 1,
+        rows: list[dict[str, np.ndarray]] | None = None,
+    ) -> int:
+        """Draft tokens for the next round from ``source``, over ``batch_size``
+        rows; 0: a plain step. ``rows``: the counts (``acceptance_counts``)
+        of each row that may draft, which ``update`` keeps. A row's rates
+        start from those of every other row (and the prior), weighted as
+        PRIOR_WEIGHT tokens, so a row that the draft keeps failing (a prompt
+        unlike the others) soon weighs as it is, not as the batch's mean;
+        a row alone has the generation's rates."""
         if self.num_draft != "auto":
             return self.num_draft
         accepted, tested = self.counts[source]
-        num_draft = best_num_draft(accepted / tested, self.round_costs[source])
+        rates = accepted / tested
+        if rows:
+            row_accepted, row_tested = np.stack([row[source] for row in rows], axis=1)
+            others = (accepted - row_accepted) / (tested - row_tested)
+            rates = (row_accepted + others * PRIOR_WEIGHT) / (row_tested + PRIOR_WEIGHT)
+        costs = self.times.costs(source, self.round_costs[source], batch_size)
+        num_draft = best_num_draft(rates, costs)
         self.rounds[source] += 1
         if self.rounds[source] % PROBE_EVERY == 0:
+            if num_draft > 0 and self.rounds[source] % (2 * PROBE_EVERY) == PROBE_EVERY:
+                return 0
             return min(num_draft + 1, MAX_AUTO_DRAFT)
         return num_draft
 
-    def update(self, source: str, num_accepted: int, num_tested: int) -> None:
+    def update(
+        self,
+        source: str,
+        num_accepted: int,
+        num_tested: int,
+        row: dict[str, np.ndarray] | None = None,
+    ) -> None:
         """A round tested the first ``num_tested`` draft tokens of a row and
-        accepted the first ``num_accepted`` of them."""
-        for counts in (self.counts[source], self.earlier[source]):
-            counts[0, :num_accepted] += 1
-            counts[1, :num_tested] += 1
+        accepted the first ``num_accepted`` of them; ``row``: that row's own
+        counts (see ``choose``)."""
+        counts = [self.counts[source], self.earlier[source]]
+        if row is not None:
+            counts.append(row[source])
+        for array in counts:
+            array[0, :num_accepted] += 1
+            array[1, :num_tested] += 1
+
+    def timed(self, draft: Draft, seconds: float) -> None:
+        """A round that drafted ``draft`` took ``seconds``, from its drafting
+        to its results (recorded for "auto" only)."""
+        if self.num_draft == "auto":
+            batch_size = len(draft.lengths)
+            self.times.record(round_source(draft), max(draft.lengths), batch_size, seconds)

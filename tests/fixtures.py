@@ -531,10 +531,24 @@ def auto_costs(draft_cost: float) -> dict[str, list[float]]:
     return {"model": linear_round_costs(draft_cost), "lookup": linear_round_costs(0.0)}
 
 
+class UntimedRounds(dict):
+    """``SpeculativeDecoder.round_times`` whose rounds are never timed, so
+    that "auto" keeps the costs it was given."""
+
+    def setdefault(self, key, default=None):
+        from drafting import RoundTimes
+
+        times = RoundTimes()
+        times.record = lambda source, num_draft, batch_size, seconds: None
+        return super().setdefault(key, times)
+
+
 def cheap_drafts(decoder, draft_cost: float = 0.1) -> None:
     """Make ``decoder``'s "auto" weigh a draft step as ``draft_cost`` main
-    steps and a verify pass over any number of tokens as one. The tiny test
-    draft model costs as much as its main model, so timed costs would rightly
-    make auto draft little, and a test of drafting would test plain steps."""
+    steps and a verify pass over any number of tokens as one, whatever its
+    rounds take. The tiny test draft model costs as much as its main model,
+    so timed costs would rightly make auto draft little, and a test of
+    drafting would test plain steps."""
     costs = auto_costs(draft_cost)
     decoder.measure_costs = lambda prompt_ids, batch_size=1: costs
+    decoder.round_times = UntimedRounds()
