@@ -403,13 +403,13 @@ def round_source(draft: Draft) -> str:
 class RoundTimes:
     """The seconds that rounds of each draft source, draft length and number
     of rows took, as the loop ran them: the last ``TIMED_ROUNDS`` of each.
-    They correct what the calibration (``pass_times``) measured: its passes
-    run alone, on rows of one prompt, so they leave out what a round of real
-    rows pays besides, which in a large batch costs a drafted round more
-    than a plain one. Rounds compare only at the same number of rows: a
-    batch whose prompts are finishing runs faster with every row it drops.
-    Rows that no plain and drafted rounds were both timed over (a batch's
-    last rounds, as its prompts finish) take the nearest rows' timings."""
+    They correct what the calibration (``pass_times``) measured: a few
+    rounds on rows of one prompt, which is noisy and leaves out what rounds
+    of real rows pay besides. Rounds compare only at the same number of
+    rows: a batch whose prompts are finishing runs faster with every row it
+    drops. Rows that no plain and drafted rounds were both timed over (a
+    batch's last rounds, as its prompts finish) take the nearest rows'
+    timings."""
 
     def __init__(self):
         # Per number of rows, per (source or "plain", draft length): seconds.
