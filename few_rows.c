@@ -5,18 +5,18 @@
  *
  * MLX computes every float32 product with cblas_sgemm, one-row ones too, and
  * a batched product (attention's, per row and head) as one call per matrix.
- * Measured on a Zen 5 EPYC, OpenBLAS 0.3.33 on 2 threads (docs/benchmarks.md,
- * "Few-row products"; the same pattern under its Haswell kernels):
+ * Measured with OpenBLAS 0.3.33 on 2 threads (docs/benchmarks.md, "Few-row
+ * products"):
  *
  * - Tiny products (one token's attention scores over 60 keys: 3,840
  *   multiply-adds) cost more in OpenBLAS's call than in arithmetic; computed
- *   here, 16 lanes at a time, 512 of them took 168 us instead of 451.
- * - Up to 4 rows (2 over rows of B shorter than 1,024): OpenBLAS first
- *   copies the whole of B into its packed layout. Streamed instead, each of
- *   OpenBLAS's threads reading its share of B once, where it lies (as its
- *   sgemv does), x W^T for W 8192 x 256 took 210 us instead of 315-373 (one
- *   row) and 272 instead of 402-482 (two), and for W 256 x 8192 at 4 rows
- *   280 instead of 441-480.
+ *   here, 16 lanes at a time, 512 of them took 168 us instead of 451 (Zen 5).
+ * - Few rows: OpenBLAS first copies the whole of B into its packed layout.
+ *   Streamed instead, each of OpenBLAS's threads reading its share of B once,
+ *   where it lies (as its sgemv does): on a Zen 5, x W^T for W 8192 x 256
+ *   took 210 us instead of 315-373 at one row; on a Zen 4, W 256 x 8192 at 8
+ *   rows 598-635 instead of 885-977, and a weight stored transposed (B not
+ *   transposed), W 8192 x 256 at 8 rows, 513-555 instead of 893-903.
  * - Other row counts that are not a multiple of 8: slower than the next
  *   multiple of 8 (6 rows 694 us, 8 rows 384; 14 rows 838, 16 rows 538),
  *   so they are computed as that many, the extra rows zero.
@@ -39,15 +39,26 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 /* Products of at most this many multiply-adds are computed here: OpenBLAS's
  * call overhead dominates them. */
 #define TINY_SIZE (1 << 17)
-/* Up to this many rows, the product streams B once, split between the threads:
+/* A B^T over up to this many rows streams B once, split between the threads:
  * up to STREAMED_ROWS when B's rows are at least LONG_ROWS long, else up to
  * SHORT_STREAMED_ROWS (each output's sum ends with a reduction across lanes,
- * which over short rows costs as much as their multiply-adds at 3 or 4 rows). */
-#define STREAMED_ROWS 4
+ * which over short rows costs as much as their multiply-adds at 3 or 4
+ * rows). At 16 rows (Zen 4) OpenBLAS was as fast. */
+#define STREAMED_ROWS 12
 #define SHORT_STREAMED_ROWS 2
 #define LONG_ROWS 1024
+/* A B (B as it lies, k x n) over up to this many rows is broadcast: each
+ * element of A times 16 columns of a row of B, no reduction at all. At 16
+ * rows (Zen 4) OpenBLAS was as fast. */
+#define BROADCAST_MAX_ROWS 12
+/* The broadcast kernel sums this many rows of B in registers before it
+ * stores its partial sums: that many streams of memory at a time. */
+#define BROADCAST_BLOCK 16
+/* The streamed kernel reads B in blocks of this many values, which stay in
+ * the core's cache while each group of 4 rows of A reads them. */
+#define STREAMED_BLOCK (1 << 16)
 
-/* The streamed kernel keeps 4 x 4 sums of 16 lanes in registers: AVX-512 has
+/* The kernels keep 4 x 4 sums of 16 lanes in registers: AVX-512 has
  * 32 of them, AVX2 16 of half the width (built for AVX2 it took 1.7x the time
  * of OpenBLAS's sgemv at one row). Without AVX-512, or without OpenBLAS's
  * thread pool, up to SHORT_STREAMED_ROWS rows are computed by one sgemv each
@@ -72,8 +83,8 @@ static sgemm_fn blas_sgemm;
 static sgemv_fn blas_sgemv;
 static pool_fn blas_pool;
 
-/* Products taken by each path: tiny, streamed (by the kernel below or by rows of
- * sgemv), padded, passed on as they are. */
+/* Products taken by each path: tiny, streamed (by the kernels below or by rows
+ * of sgemv), padded, passed on as they are. */
 enum { TINY, STREAMED, PADDED, PASSED_ON };
 atomic_long few_rows_counts[4];
 static int threads = 1;
@@ -137,12 +148,12 @@ static inline lanes16 load16(const float *p) {
 
 static inline float sum16(lanes16 x) { return _mm512_reduce_add_ps((__m512)x); }
 
-/* Columns j .. j + 3 of C = alpha A B^T + beta C over m <= STREAMED_ROWS rows:
+/* Columns j .. j + 3 of C = alpha A B^T + beta C over m <= 4 rows:
  * the four rows of B are read once, each in step with the m rows of A. */
 static inline __attribute__((always_inline)) void four_columns(
     const int m, int j, int k, float alpha, const float *a, long lda, const float *b, long ldb,
     float beta, float *c, long ldc) {
-    lanes16 sums[4][STREAMED_ROWS];
+    lanes16 sums[4][4];
     for (int o = 0; o < 4; o++)
         for (int i = 0; i < m; i++)
             sums[o][i] = (lanes16){0};
@@ -186,11 +197,22 @@ struct share {
 
 static void compute_share(void *argument) {
     const struct share *s = argument;
-    switch (s->m) { /* a constant m in each case: its sums stay in registers */
-    case 1: columns(1, s->j0, s->j1, s->k, s->alpha, s->a, s->lda, s->b, s->ldb, s->beta, s->c, s->ldc); break;
-    case 2: columns(2, s->j0, s->j1, s->k, s->alpha, s->a, s->lda, s->b, s->ldb, s->beta, s->c, s->ldc); break;
-    case 3: columns(3, s->j0, s->j1, s->k, s->alpha, s->a, s->lda, s->b, s->ldb, s->beta, s->c, s->ldc); break;
-    default: columns(4, s->j0, s->j1, s->k, s->alpha, s->a, s->lda, s->b, s->ldb, s->beta, s->c, s->ldc);
+    /* B comes from memory once, whatever m: see STREAMED_BLOCK. */
+    int block = STREAMED_BLOCK / s->k / 4 * 4;
+    if (block < 4)
+        block = 4;
+    for (int j = s->j0; j < s->j1; j += block) {
+        int j1 = j + block < s->j1 ? j + block : s->j1;
+        for (int i = 0; i < s->m; i += 4) {
+            const float *a = s->a + (long)i * s->lda;
+            float *c = s->c + (long)i * s->ldc;
+            switch (s->m - i) { /* a constant row count in each case: its sums stay in registers */
+            case 1: columns(1, j, j1, s->k, s->alpha, a, s->lda, s->b, s->ldb, s->beta, c, s->ldc); break;
+            case 2: columns(2, j, j1, s->k, s->alpha, a, s->lda, s->b, s->ldb, s->beta, c, s->ldc); break;
+            case 3: columns(3, j, j1, s->k, s->alpha, a, s->lda, s->b, s->ldb, s->beta, c, s->ldc); break;
+            default: columns(4, j, j1, s->k, s->alpha, a, s->lda, s->b, s->ldb, s->beta, c, s->ldc);
+            }
+        }
     }
 }
 
@@ -211,6 +233,73 @@ static void streamed(int m, int n, int k, float alpha, const float *a, int lda, 
     if (n % 4)
         tiny(NO_TRANS, TRANS, m, n % 4, k, alpha, a, lda, b + (long)(n - n % 4) * ldb, ldb, beta,
              c + (n - n % 4), ldc);
+}
+
+/* Columns j .. j + 63 of C over m <= 4 rows, from B's rows l0 .. l1 - 1 (B
+ * k x n, not transposed): each row of B is broadcast-multiplied into sums of
+ * 16 columns, so no sum needs reducing across lanes. The sums start from C's
+ * partial sums (zero for the first rows of B) and get alpha at the last. */
+static inline __attribute__((always_inline)) void tile(const int m, int j, int l0, int l1,
+                                                       float alpha, const float *a, long lda,
+                                                       const float *b, long ldb, float *c,
+                                                       long ldc, int k) {
+    lanes16 sums[4][4];
+    for (int i = 0; i < m; i++)
+        for (int t = 0; t < 4; t++)
+            sums[i][t] = l0 == 0 ? (lanes16){0} : load16(c + i * ldc + j + 16 * t);
+    for (int l = l0; l < l1; l++) {
+        const float *b_row = b + l * ldb + j;
+        lanes16 column[4];
+        for (int t = 0; t < 4; t++)
+            column[t] = load16(b_row + 16 * t);
+        for (int i = 0; i < m; i++) {
+            lanes16 x = (lanes16){0} + a[i * lda + l];
+            for (int t = 0; t < 4; t++)
+                sums[i][t] += x * column[t];
+        }
+    }
+    for (int i = 0; i < m; i++)
+        for (int t = 0; t < 4; t++) {
+            lanes16 sum = l1 == k ? sums[i][t] * alpha : sums[i][t];
+            memcpy(c + i * ldc + j + 16 * t, &sum, sizeof sum);
+        }
+}
+
+/* One thread's share of a broadcast product: columns j0 .. j1 - 1, a multiple of 64. */
+static void compute_broadcast_share(void *argument) {
+    const struct share *s = argument;
+    for (int l0 = 0; l0 < s->k; l0 += BROADCAST_BLOCK) {
+        int l1 = l0 + BROADCAST_BLOCK < s->k ? l0 + BROADCAST_BLOCK : s->k;
+        for (int j = s->j0; j < s->j1; j += 64)
+            for (int i = 0; i < s->m; i += 4) {
+                const float *a = s->a + (long)i * s->lda;
+                float *c = s->c + (long)i * s->ldc;
+                switch (s->m - i) {
+                case 1: tile(1, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k); break;
+                case 2: tile(2, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k); break;
+                case 3: tile(3, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k); break;
+                default: tile(4, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k);
+                }
+            }
+    }
+}
+
+/* C = alpha A B for m <= BROADCAST_MAX_ROWS rows, B k x n: each thread
+ * streams its share of B's columns once; the last n % 64 columns go to tiny(). */
+static void broadcast(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                      int ldb, float *c, int ldc) {
+    int blocks = n / 64, count = threads;
+    struct share shares[MAX_THREADS];
+    for (int t = 0; t < count; t++)
+        shares[t] = (struct share){m, k, lda, ldb, ldc, 64 * (int)((long)blocks * t / count),
+                                   64 * (int)((long)blocks * (t + 1) / count), alpha, 0.0f, a, b, c};
+    if (count > 1)
+        blas_pool(count, compute_broadcast_share, shares, sizeof shares[0]);
+    else
+        compute_broadcast_share(shares);
+    if (n % 64)
+        tiny(NO_TRANS, NO_TRANS, m, n % 64, k, alpha, a, lda, b + (n - n % 64), ldb, 0.0f,
+             c + (n - n % 64), ldc);
 }
 #endif
 
@@ -262,6 +351,15 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
                        c + (long)i * ldc, 1);
         return;
     }
+#ifdef __AVX512F__
+    if (OWN_KERNEL && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == NO_TRANS &&
+        beta == 0.0f && m > 0 && m <= BROADCAST_MAX_ROWS && n >= 64 &&
+        (long)n * k >= PADDED_MIN_SIZE) {
+        atomic_fetch_add(&few_rows_counts[STREAMED], 1);
+        broadcast(m, n, k, alpha, a, lda, b, ldb, c, ldc);
+        return;
+    }
+#endif
     if (order == ROW_MAJOR && trans_a == NO_TRANS && m < PADDED_ROWS && m % ROW_MULTIPLE != 0 &&
         (long)n * k >= PADDED_MIN_SIZE &&
         padded(trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) {

@@ -781,11 +781,13 @@ def load_config(path: str | Path) -> ModelArgs:
         ) from None
 
 
-# The ways ``Linear`` can compute ``x W^T`` on the CPU. Which one OpenBLAS
-# computes fastest depends on the weight's shape and on the CPU: on the
-# EPYCs measured before, weights with more outputs than inputs ran 1.1-1.7x
-# faster kept transposed and the others streamed; on a Zen 5 the plain form
-# beat or matched both at every shape (docs/benchmarks.md).
+# The ways ``Linear`` can compute ``x W^T`` on the CPU. Which one is fastest
+# depends on the weight's shape and on the CPU: on the EPYCs measured
+# before, weights with more outputs than inputs ran 1.1-1.7x faster kept
+# transposed and the others streamed; on a Zen 5 the plain form beat or
+# matched both at every shape; on a Zen 4 with few_rows.c's broadcast
+# kernel, the transposed form of weights with 256 inputs took 0.62-0.72x
+# the plain form's time (docs/benchmarks.md).
 PRODUCT_FORMS = ("plain", "streaming", "transposed")
 # Rows at which store_for_cpu times the forms: a decoder step of one prompt,
 # and of a batch or a verify pass.

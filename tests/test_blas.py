@@ -96,7 +96,7 @@ print(json.dumps({
 
 
 THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
-# few_rows.c is compiled for this CPU; with AVX-512 it streams up to 4 rows.
+# few_rows.c is compiled for this CPU; with AVX-512 its own kernels stream up to 12 rows.
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
 # A C compiler: without one, blas.py leaves few_rows.c out.
 HAS_COMPILER = bool(os.environ.get("CC") or shutil.which("cc"))
@@ -239,28 +239,40 @@ def test_too_late_after_mlx_says_so(tmp_path):
     assert "import blas before mlx" in stderr
 
 
-# (rows, inputs, outputs, A transposed, B transposed, the path few_rows.c takes)
+# (rows, inputs, outputs, A transposed, B transposed, the path few_rows.c
+# takes: one name, or (that of the product, that of addmm, which reads C))
+OWN = "streamed" if AVX512 else "padded"
 PRODUCTS = [
     (3, 40, 50, False, True, "tiny"),
     (3, 40, 50, True, False, "tiny"),
     (1, 300, 1000, False, True, "streamed"),
     (2, 300, 1001, False, True, "streamed"),  # the last column after the blocks of 4
-    # Long rows: up to 4 with AVX-512 (few_rows.c's own kernel), else 2 (sgemv).
-    (4, 1024, 301, False, True, "streamed" if AVX512 else "padded"),
+    # Long rows: up to 12 with AVX-512 (few_rows.c's own kernel, 4 rows at a
+    # time), else 2 (sgemv).
+    (4, 1024, 301, False, True, OWN),
+    (7, 1024, 301, False, True, OWN),  # a group of 4 rows and one of 3
+    (12, 1100, 300, False, True, OWN),
+    (13, 1024, 300, False, True, "padded"),
     (3, 300, 1000, False, True, "padded"),  # short rows: up to 2
     (2, 300, 1000, True, True, "passed on"),  # only A B^T streams
-    (2, 300, 1000, False, False, "padded"),
-    (5, 300, 1000, False, True, "padded"),
+    # B as it is (a weight stored transposed): broadcast by few_rows.c's
+    # own kernel up to 12 rows, unless C is read; the last 1000 % 64 columns tiny
+    (2, 300, 1000, False, False, (OWN, "padded")),
+    (7, 257, 1000, False, False, (OWN, "padded")),
+    (12, 300, 1024, False, False, (OWN, "padded")),
     (13, 300, 1000, False, False, "padded"),
+    (5, 300, 1000, False, True, "padded"),
     (5, 300, 1000, True, True, "passed on"),  # a transposed A is not padded
     (64, 300, 1000, False, True, "passed on"),
 ]
 
 
-@pytest.mark.parametrize("addmm", [False, True], ids=["matmul", "addmm"])
+@pytest.mark.parametrize(
+    "alpha, beta", [(1.0, None), (0.5, 2.0), (0.5, 0.0)], ids=["matmul", "addmm", "scaled"]
+)
 @pytest.mark.parametrize("rows, inputs, outputs, a_transposed, b_transposed, path", PRODUCTS)
 def test_every_path_of_few_rows_computes_the_product(
-    rows, inputs, outputs, a_transposed, b_transposed, path, addmm
+    rows, inputs, outputs, a_transposed, b_transposed, path, alpha, beta
 ):
     """``alpha op(A) op(B) + beta C`` against float64, with A and B as MLX
     passes them when they are transposed views, through the path named."""
@@ -272,16 +284,17 @@ def test_every_path_of_few_rows_computes_the_product(
     c = rng.standard_normal((rows, outputs)).astype(np.float32)
     a_mx = mx.array(a.T.copy()).T if a_transposed else mx.array(a)
     b_mx = mx.array(b.T.copy()).T if b_transposed else mx.array(b)
-    alpha, beta = (0.5, 2.0) if addmm else (1.0, 0.0)
     before = blas.few_rows_counts()
-    if addmm:
-        product = mx.addmm(mx.array(c), a_mx, b_mx, alpha=alpha, beta=beta)
-    else:
+    if beta is None:
         product = a_mx @ b_mx
+    else:
+        product = mx.addmm(mx.array(c), a_mx, b_mx, alpha=alpha, beta=beta)
     product = np.array(product)
     counts = blas.few_rows_counts()
+    if isinstance(path, tuple):
+        path = path[bool(beta)]
     assert counts[path] == before[path] + 1, (before, counts)
-    expected = alpha * a.astype(np.float64) @ b.astype(np.float64) + beta * c
+    expected = alpha * a.astype(np.float64) @ b.astype(np.float64) + (beta or 0.0) * c
     # float32 rounding of sums of `inputs` products
     scale = np.abs(a).astype(np.float64) @ np.abs(b) + np.abs(c)
     assert np.abs(product - expected).max() <= 1e-6 * inputs**0.5 * scale.max()
