@@ -16,7 +16,7 @@
  *   where it lies (as its sgemv does): on a Zen 5, x W^T for W 8192 x 256
  *   took 210 us instead of 315-373 at one row; on a Zen 4, W 256 x 8192 at 8
  *   rows 598-635 instead of 885-977, and a weight stored transposed (B not
- *   transposed), W 8192 x 256 at 8 rows, 513-555 instead of 893-903.
+ *   transposed), W 8192 x 256 at 8 rows, 407-439 instead of 875-927.
  * - Other row counts that are not a multiple of 8: slower than the next
  *   multiple of 8 (6 rows 694 us, 8 rows 384; 14 rows 838, 16 rows 538),
  *   so they are computed as that many, the extra rows zero.
@@ -48,12 +48,18 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 #define SHORT_STREAMED_ROWS 2
 #define LONG_ROWS 1024
 /* A B (B as it lies, k x n) over up to this many rows is broadcast: each
- * element of A times 16 columns of a row of B, no reduction at all. At 16
- * rows (Zen 4) OpenBLAS was as fast. */
-#define BROADCAST_MAX_ROWS 12
+ * element of A times 16 columns of a row of B, no reduction at all. For B
+ * 256 x 8192 on a Zen 4 it took 0.71-0.86x OpenBLAS's time at 48 and 64
+ * rows, 0.26-0.7x at 2 to 32. */
+#define BROADCAST_MAX_ROWS 64
 /* The broadcast kernel sums this many rows of B in registers before it
- * stores its partial sums: that many streams of memory at a time. */
+ * stores its partial sums: that many streams of memory at a time. Up to
+ * BROADCAST_FEW_ROWS rows of A, memory bounds the product and 16 streams
+ * read it fastest; over more, storing and reloading the sums does, and
+ * blocks of 128 rows took 0.6-0.9x the time. */
 #define BROADCAST_BLOCK 16
+#define BROADCAST_LONG_BLOCK 128
+#define BROADCAST_FEW_ROWS 8
 /* The streamed kernel reads B in blocks of this many values, which stay in
  * the core's cache while each group of 4 rows of A reads them. */
 #define STREAMED_BLOCK (1 << 16)
@@ -235,71 +241,90 @@ static void streamed(int m, int n, int k, float alpha, const float *a, int lda, 
              c + (n - n % 4), ldc);
 }
 
-/* Columns j .. j + 63 of C over m <= 4 rows, from B's rows l0 .. l1 - 1 (B
- * k x n, not transposed): each row of B is broadcast-multiplied into sums of
- * 16 columns, so no sum needs reducing across lanes. The sums start from C's
- * partial sums (zero for the first rows of B) and get alpha at the last. */
-static inline __attribute__((always_inline)) void tile(const int m, int j, int l0, int l1,
-                                                       float alpha, const float *a, long lda,
-                                                       const float *b, long ldb, float *c,
-                                                       long ldc, int k) {
+/* Columns j .. j + 16 vectors - 1 of C over m <= 4 rows, from B's rows
+ * l0 .. l1 - 1 (B k x n, not transposed): each row of B is broadcast-multiplied
+ * into sums of 16 columns, so no sum needs reducing across lanes. The sums
+ * start from C's partial sums (zero for the first rows of B) and get alpha
+ * at the last. */
+static inline __attribute__((always_inline)) void tile(const int m, const int vectors, int j,
+                                                       int l0, int l1, float alpha,
+                                                       const float *a, long lda, const float *b,
+                                                       long ldb, float *c, long ldc, int k) {
     lanes16 sums[4][4];
     for (int i = 0; i < m; i++)
-        for (int t = 0; t < 4; t++)
+        for (int t = 0; t < vectors; t++)
             sums[i][t] = l0 == 0 ? (lanes16){0} : load16(c + i * ldc + j + 16 * t);
     for (int l = l0; l < l1; l++) {
         const float *b_row = b + l * ldb + j;
         lanes16 column[4];
-        for (int t = 0; t < 4; t++)
+        for (int t = 0; t < vectors; t++) {
             column[t] = load16(b_row + 16 * t);
+            /* In a register: GCC would otherwise fold the load into each
+             * multiply-add, loading it m times (1.1-1.2x the time at 8-32 rows). */
+            __asm__("" : "+v"(column[t]));
+        }
         for (int i = 0; i < m; i++) {
-            lanes16 x = (lanes16){0} + a[i * lda + l];
-            for (int t = 0; t < 4; t++)
+            lanes16 x = (lanes16)_mm512_set1_ps(a[i * lda + l]);
+            for (int t = 0; t < vectors; t++)
                 sums[i][t] += x * column[t];
         }
     }
     for (int i = 0; i < m; i++)
-        for (int t = 0; t < 4; t++) {
+        for (int t = 0; t < vectors; t++) {
             lanes16 sum = l1 == k ? sums[i][t] * alpha : sums[i][t];
             memcpy(c + i * ldc + j + 16 * t, &sum, sizeof sum);
         }
 }
 
-/* One thread's share of a broadcast product: columns j0 .. j1 - 1, a multiple of 64. */
+/* tile() over every row of a share, 4 rows at a time. */
+static inline __attribute__((always_inline)) void tile_rows(const int vectors,
+                                                            const struct share *s, int j, int l0,
+                                                            int l1) {
+    for (int i = 0; i < s->m; i += 4) {
+        const float *a = s->a + (long)i * s->lda;
+        float *c = s->c + (long)i * s->ldc;
+        switch (s->m - i) { /* a constant row count in each case: its sums stay in registers */
+        case 1: tile(1, vectors, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k); break;
+        case 2: tile(2, vectors, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k); break;
+        case 3: tile(3, vectors, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k); break;
+        default: tile(4, vectors, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k);
+        }
+    }
+}
+
+/* One thread's share of a broadcast product: columns j0 .. j1 - 1, a multiple of 16. */
 static void compute_broadcast_share(void *argument) {
     const struct share *s = argument;
-    for (int l0 = 0; l0 < s->k; l0 += BROADCAST_BLOCK) {
-        int l1 = l0 + BROADCAST_BLOCK < s->k ? l0 + BROADCAST_BLOCK : s->k;
-        for (int j = s->j0; j < s->j1; j += 64)
-            for (int i = 0; i < s->m; i += 4) {
-                const float *a = s->a + (long)i * s->lda;
-                float *c = s->c + (long)i * s->ldc;
-                switch (s->m - i) {
-                case 1: tile(1, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k); break;
-                case 2: tile(2, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k); break;
-                case 3: tile(3, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k); break;
-                default: tile(4, j, l0, l1, s->alpha, a, s->lda, s->b, s->ldb, c, s->ldc, s->k);
-                }
-            }
+    int block = s->m <= BROADCAST_FEW_ROWS ? BROADCAST_BLOCK : BROADCAST_LONG_BLOCK;
+    for (int l0 = 0; l0 < s->k; l0 += block) {
+        int l1 = l0 + block < s->k ? l0 + block : s->k;
+        int j = s->j0;
+        for (; j + 64 <= s->j1; j += 64)
+            tile_rows(4, s, j, l0, l1);
+        switch ((s->j1 - j) / 16) {
+        case 3: tile_rows(3, s, j, l0, l1); break;
+        case 2: tile_rows(2, s, j, l0, l1); break;
+        case 1: tile_rows(1, s, j, l0, l1); break;
+        }
     }
 }
 
 /* C = alpha A B for m <= BROADCAST_MAX_ROWS rows, B k x n: each thread
- * streams its share of B's columns once; the last n % 64 columns go to tiny(). */
+ * streams its share of B's columns once; the last n % 16 columns go to tiny(). */
 static void broadcast(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                       int ldb, float *c, int ldc) {
-    int blocks = n / 64, count = threads;
+    int vectors = n / 16, count = threads;
     struct share shares[MAX_THREADS];
     for (int t = 0; t < count; t++)
-        shares[t] = (struct share){m, k, lda, ldb, ldc, 64 * (int)((long)blocks * t / count),
-                                   64 * (int)((long)blocks * (t + 1) / count), alpha, 0.0f, a, b, c};
+        shares[t] = (struct share){m, k, lda, ldb, ldc, 16 * (int)((long)vectors * t / count),
+                                   16 * (int)((long)vectors * (t + 1) / count), alpha, 0.0f, a, b, c};
     if (count > 1)
         blas_pool(count, compute_broadcast_share, shares, sizeof shares[0]);
     else
         compute_broadcast_share(shares);
-    if (n % 64)
-        tiny(NO_TRANS, NO_TRANS, m, n % 64, k, alpha, a, lda, b + (n - n % 64), ldb, 0.0f,
-             c + (n - n % 64), ldc);
+    if (n % 16)
+        tiny(NO_TRANS, NO_TRANS, m, n % 16, k, alpha, a, lda, b + (n - n % 16), ldb, 0.0f,
+             c + (n - n % 16), ldc);
 }
 #endif
 
@@ -353,7 +378,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
     }
 #ifdef __AVX512F__
     if (OWN_KERNEL && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == NO_TRANS &&
-        beta == 0.0f && m > 0 && m <= BROADCAST_MAX_ROWS && n >= 64 &&
+        beta == 0.0f && m > 0 && m <= BROADCAST_MAX_ROWS && n >= 16 &&
         (long)n * k >= PADDED_MIN_SIZE) {
         atomic_fetch_add(&few_rows_counts[STREAMED], 1);
         broadcast(m, n, k, alpha, a, lda, b, ldb, c, ldc);

@@ -96,7 +96,7 @@ print(json.dumps({
 
 
 THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
-# few_rows.c is compiled for this CPU; with AVX-512 its own kernels stream up to 12 rows.
+# few_rows.c is compiled for this CPU; with AVX-512 its own kernels stream up to 12 or 64 rows.
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
 # A C compiler: without one, blas.py leaves few_rows.c out.
 HAS_COMPILER = bool(os.environ.get("CC") or shutil.which("cc"))
@@ -255,12 +255,17 @@ PRODUCTS = [
     (13, 1024, 300, False, True, "padded"),
     (3, 300, 1000, False, True, "padded"),  # short rows: up to 2
     (2, 300, 1000, True, True, "passed on"),  # only A B^T streams
-    # B as it is (a weight stored transposed): broadcast by few_rows.c's
-    # own kernel up to 12 rows, unless C is read; the last 1000 % 64 columns tiny
+    # B as it is (a weight stored transposed): broadcast by few_rows.c's own
+    # kernel up to 64 rows, unless C is read. Columns in blocks of 64, then
+    # of 16 (1000: 15 blocks, 2 vectors), the last n % 16 tiny.
     (2, 300, 1000, False, False, (OWN, "padded")),
     (7, 257, 1000, False, False, (OWN, "padded")),
     (12, 300, 1024, False, False, (OWN, "padded")),
-    (13, 300, 1000, False, False, "padded"),
+    (13, 300, 1000, False, False, (OWN, "padded")),  # more than 8: longer blocks of B
+    (32, 70, 1000, False, False, (OWN, "passed on")),
+    (5, 1500, 48, False, False, (OWN, "padded")),  # three vectors, no block of 64
+    (64, 70, 1000, False, False, (OWN, "passed on")),
+    (65, 300, 1000, False, False, "passed on"),
     (5, 300, 1000, False, True, "padded"),
     (5, 300, 1000, True, True, "passed on"),  # a transposed A is not padded
     (64, 300, 1000, False, True, "passed on"),
