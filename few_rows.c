@@ -49,8 +49,8 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 #define LONG_ROWS 1024
 /* A B (B as it lies, k x n) over up to this many rows is broadcast: each
  * element of A times 16 columns of a row of B, no reduction at all. For B
- * 256 x 8192 on a Zen 4 it took 0.71-0.86x OpenBLAS's time at 48 and 64
- * rows, 0.26-0.7x at 2 to 32. */
+ * 256 x 8192 on a Zen 4 it took 0.36-0.8x OpenBLAS's time at 4 to 32 rows,
+ * 0.71-0.86x at 48 and 64. */
 #define BROADCAST_MAX_ROWS 64
 /* The broadcast kernel sums this many rows of B in registers before it
  * stores its partial sums: that many streams of memory at a time. Up to
