@@ -269,10 +269,9 @@ class BatchGenerator:
         # (its limit is 0); it samples as a live row does, so that the batch
         # keeps one rule where its rows share one.
         start = [decoder.model.args.decoder_start_token_id]
-        rows = [
-            row or Row(-1, [], 1, live[0].sampling, seed=None, sequence=start, key=GREEDY_KEY)
-            for row in self.rows
-        ]
+        # One stand-in for every free place: nothing of it is updated.
+        free = Row(-1, [], 1, live[0].sampling, seed=None, sequence=start, key=GREEDY_KEY)
+        rows = [row or free for row in self.rows]
         sampling = RowSampling([row.sampling for row in rows])
         sequences = [row.sequence for row in rows]
         # Never propose more tokens than a row may still generate.

@@ -222,20 +222,28 @@ static void compute_share(void *argument) {
     }
 }
 
+/* Runs compute() on OpenBLAS's threads, each over its share of ``units``
+ * blocks of ``width`` columns of ``product`` (j0 .. j1 - 1). */
+static void run_shares(void (*compute)(void *), struct share product, int units, int width) {
+    struct share shares[MAX_THREADS];
+    for (int t = 0; t < threads; t++) {
+        shares[t] = product;
+        shares[t].j0 = width * (int)((long)units * t / threads);
+        shares[t].j1 = width * (int)((long)units * (t + 1) / threads);
+    }
+    if (threads > 1)
+        blas_pool(threads, compute, shares, sizeof shares[0]);
+    else
+        compute(shares);
+}
+
 /* C = alpha A B^T + beta C for m <= STREAMED_ROWS rows, B n x k: each of
  * OpenBLAS's threads streams its share of B's rows once (sgemm would first
  * copy all of B into its packed layout); the last n % 4 columns go to tiny(). */
 static void streamed(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                      int ldb, float beta, float *c, int ldc) {
-    int blocks = n / 4, count = threads;
-    struct share shares[MAX_THREADS];
-    for (int t = 0; t < count; t++)
-        shares[t] = (struct share){m, k, lda, ldb, ldc, 4 * (int)((long)blocks * t / count),
-                                   4 * (int)((long)blocks * (t + 1) / count), alpha, beta, a, b, c};
-    if (count > 1)
-        blas_pool(count, compute_share, shares, sizeof shares[0]);
-    else
-        compute_share(shares);
+    struct share product = {m, k, lda, ldb, ldc, 0, 0, alpha, beta, a, b, c};
+    run_shares(compute_share, product, n / 4, 4);
     if (n % 4)
         tiny(NO_TRANS, TRANS, m, n % 4, k, alpha, a, lda, b + (long)(n - n % 4) * ldb, ldb, beta,
              c + (n - n % 4), ldc);
@@ -313,15 +321,8 @@ static void compute_broadcast_share(void *argument) {
  * streams its share of B's columns once; the last n % 16 columns go to tiny(). */
 static void broadcast(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                       int ldb, float *c, int ldc) {
-    int vectors = n / 16, count = threads;
-    struct share shares[MAX_THREADS];
-    for (int t = 0; t < count; t++)
-        shares[t] = (struct share){m, k, lda, ldb, ldc, 16 * (int)((long)vectors * t / count),
-                                   16 * (int)((long)vectors * (t + 1) / count), alpha, 0.0f, a, b, c};
-    if (count > 1)
-        blas_pool(count, compute_broadcast_share, shares, sizeof shares[0]);
-    else
-        compute_broadcast_share(shares);
+    struct share product = {m, k, lda, ldb, ldc, 0, 0, alpha, 0.0f, a, b, c};
+    run_shares(compute_broadcast_share, product, n / 16, 16);
     if (n % 16)
         tiny(NO_TRANS, NO_TRANS, m, n % 16, k, alpha, a, lda, b + (n - n % 16), ldb, 0.0f,
              c + (n - n % 16), ldc);
