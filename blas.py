@@ -41,7 +41,7 @@ matrix at a time; OpenBLAS is slow on both: its call costs more than a tiny
 product, it copies the whole weight into its packed layout before it
 multiplies, and row counts that are not a multiple of 8 cost as much as the
 next multiple of 8 or more. ``few_rows.c`` defines a ``cblas_sgemm`` that
-computes tiny products itself, streams products over up to 4 rows through
+computes tiny products itself, streams products over up to 128 rows through
 each weight once, where it lies, on OpenBLAS's threads (with AVX-512; else
 one ``cblas_sgemv`` per row, up to 2), pads other few-row products to a
 multiple of 8 rows, and passes everything else to OpenBLAS.

@@ -14,9 +14,9 @@
  * - Few rows: OpenBLAS first copies the whole of B into its packed layout.
  *   Streamed instead, each of OpenBLAS's threads reading its share of B once,
  *   where it lies (as its sgemv does): on a Zen 5, x W^T for W 8192 x 256
- *   took 210 us instead of 315-373 at one row; on a Zen 4, W 256 x 8192 at 8
- *   rows 598-635 instead of 885-977, and a weight stored transposed (B not
- *   transposed), W 8192 x 256 at 8 rows, 407-439 instead of 875-927.
+ *   took 210 us instead of 315-373 at one row; on a Zen 4, W 256 x 8192 at
+ *   16 rows 445-466 instead of 1075-1106, and a weight stored transposed (B
+ *   not transposed), W 8192 x 256 at 8 rows, 407-439 instead of 875-927.
  * - Other row counts that are not a multiple of 8: slower than the next
  *   multiple of 8 (6 rows 694 us, 8 rows 384; 14 rows 838, 16 rows 538),
  *   so they are computed as that many, the extra rows zero.
@@ -43,8 +43,9 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
  * up to STREAMED_ROWS when B's rows are at least LONG_ROWS long, else up to
  * SHORT_STREAMED_ROWS (each output's sum ends with a reduction across lanes,
  * which over short rows costs as much as their multiply-adds at 3 or 4
- * rows). At 16 rows (Zen 4) OpenBLAS was as fast. */
-#define STREAMED_ROWS 12
+ * rows). For B 256 x 8192 on a Zen 4 it took 0.4-0.6x OpenBLAS's time at 12
+ * to 32 rows, 0.9-0.96x at 96 and 128, and 1.08x at 256. */
+#define STREAMED_ROWS 128
 #define SHORT_STREAMED_ROWS 2
 #define LONG_ROWS 1024
 /* A B (B as it lies, k x n) over up to this many rows is broadcast: each
@@ -167,10 +168,16 @@ static inline __attribute__((always_inline)) void four_columns(
     int l = 0;
     for (; l + 16 <= k; l += 16) {
         lanes16 column[4];
-        for (int o = 0; o < 4; o++)
+        /* Each vector in a register (see tile()): GCC would otherwise load
+         * every row of A once per row of B, 32 loads per 16 multiply-adds
+         * instead of 8 (2-2.4x the time at 4 to 16 rows, in cache). */
+        for (int o = 0; o < 4; o++) {
             column[o] = load16(rows + o * ldb + l);
+            __asm__("" : "+v"(column[o]));
+        }
         for (int i = 0; i < m; i++) {
             lanes16 x = load16(a + i * lda + l);
+            __asm__("" : "+v"(x));
             for (int o = 0; o < 4; o++)
                 sums[o][i] += x * column[o];
         }

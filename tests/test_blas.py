@@ -96,7 +96,7 @@ print(json.dumps({
 
 
 THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
-# few_rows.c is compiled for this CPU; with AVX-512 its own kernels stream up to 12 or 64 rows.
+# few_rows.c is compiled for this CPU; with AVX-512 its own kernels stream up to 128 or 64 rows.
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
 # A C compiler: without one, blas.py leaves few_rows.c out.
 HAS_COMPILER = bool(os.environ.get("CC") or shutil.which("cc"))
@@ -247,12 +247,14 @@ PRODUCTS = [
     (3, 40, 50, True, False, "tiny"),
     (1, 300, 1000, False, True, "streamed"),
     (2, 300, 1001, False, True, "streamed"),  # the last column after the blocks of 4
-    # Long rows: up to 12 with AVX-512 (few_rows.c's own kernel, 4 rows at a
+    # Long rows: up to 128 with AVX-512 (few_rows.c's own kernel, 4 rows at a
     # time), else 2 (sgemv).
     (4, 1024, 301, False, True, OWN),
     (7, 1024, 301, False, True, OWN),  # a group of 4 rows and one of 3
     (12, 1100, 300, False, True, OWN),
-    (13, 1024, 300, False, True, "padded"),
+    (13, 1024, 300, False, True, OWN),
+    (128, 1024, 300, False, True, "streamed" if AVX512 else "passed on"),
+    (129, 1024, 300, False, True, "passed on"),
     (3, 300, 1000, False, True, "padded"),  # short rows: up to 2
     (2, 300, 1000, True, True, "passed on"),  # only A B^T streams
     # B as it is (a weight stored transposed): broadcast by few_rows.c's own
