@@ -544,6 +544,28 @@ class DecoderCache:
             cache.keep_rows(rows)
 
 
+def joined_caches(caches: list[DecoderCache], rows: list[int]) -> DecoderCache:
+    """One cache of the fresh ``caches``' rows: row i is ``rows[i]`` of
+    their rows taken in turn. Each layer's keys and values are copied once,
+    and the parts freed layer by layer, so that memory grows by one layer's
+    (admitting the caches one by one copied every layer at each, 30% of the
+    prompt time of 32 prompts encoded in 7 passes)."""
+    width = max(cache.cross_buffers[0][0].shape[2] for cache in caches)
+    index = None if rows == sorted(rows) else mx.array(rows)
+    cross = []
+    for layer in range(len(caches[0].cross_buffers)):
+        pair = []
+        for j in range(2):  # keys, values
+            joined = mx.concatenate([pad_to(c.cross_buffers[layer][j], width, 2) for c in caches])
+            pair.append(joined if index is None else joined[index])
+        mx.eval(pair)
+        cross.append(tuple(pair))
+        for cache in caches:
+            cache.cross_buffers[layer] = None
+    lengths = [length for cache in caches for length in cache.prompt_lengths]
+    return DecoderCache(cross, [lengths[row] for row in rows])
+
+
 # Prompts of a batch are encoded in one padded pass when the longest is at
 # most this many times the shortest: padding is work for nothing, and a pass
 # more costs little once it holds a few prompts. The 32 prompts of the
@@ -676,16 +698,12 @@ class T5(nn.Module):
         called after each encoder layer of each pass. Computed here, so that
         prompt processing ends when it returns."""
         passes = encoder_passes(prompts)
-        cache = self._encoded([prompts[i] for i in passes[0]], on_layer)
-        for group in passes[1:]:
-            size = len(cache.prompt_lengths)
-            encoded = self._encoded([prompts[i] for i in group], on_layer)
-            cache.admit(list(range(size, size + len(group))), encoded)
+        caches = [self._encoded([prompts[i] for i in group], on_layer) for group in passes]
         order = [i for group in passes for i in group]
-        if order != sorted(order):  # rows in the order of ``prompts``
-            cache.keep_rows([order.index(i) for i in range(len(prompts))])
-        mx.eval(cache.cross_keys_values)
-        return cache
+        if len(caches) == 1 and order == sorted(order):
+            mx.eval(caches[0].cross_keys_values)
+            return caches[0]
+        return joined_caches(caches, [order.index(i) for i in range(len(prompts))])
 
     def _encoded(
         self, prompts: Sequence[Sequence[int]], on_layer: Callable[[], None] | None
