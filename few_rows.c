@@ -107,9 +107,99 @@ void few_rows_use(sgemm_fn sgemm, sgemv_fn sgemv, pool_fn pool, int num_threads)
 
 #define LANES 16
 
+#ifdef __AVX512F__
+static inline void store_scaled(float *out, float alpha, float sum, float beta) {
+    *out = (beta == 0.0f ? 0.0f : beta * *out) + alpha * sum;
+}
+
+/* C = alpha A B^T + beta C, k a multiple of 16 (A m x k, B n x k): four
+ * columns at a time, so that four chains of multiply-adds run side by side
+ * (one query's scores over its keys: 0.07 us instead of 0.25 at 40 keys). */
+static void tiny_dots(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                      int ldb, float beta, float *c, int ldc) {
+    for (int i = 0; i < m; i++) {
+        const float *x = a + (long)i * lda;
+        float *y = c + (long)i * ldc;
+        int j = 0;
+        for (; j + 4 <= n; j += 4) {
+            const float *rows = b + (long)j * ldb;
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            for (int l = 0; l < k; l += 16) {
+                __m512 x_lanes = _mm512_loadu_ps(x + l);
+                s0 = _mm512_fmadd_ps(x_lanes, _mm512_loadu_ps(rows + l), s0);
+                s1 = _mm512_fmadd_ps(x_lanes, _mm512_loadu_ps(rows + ldb + l), s1);
+                s2 = _mm512_fmadd_ps(x_lanes, _mm512_loadu_ps(rows + 2L * ldb + l), s2);
+                s3 = _mm512_fmadd_ps(x_lanes, _mm512_loadu_ps(rows + 3L * ldb + l), s3);
+            }
+            store_scaled(y + j, alpha, _mm512_reduce_add_ps(s0), beta);
+            store_scaled(y + j + 1, alpha, _mm512_reduce_add_ps(s1), beta);
+            store_scaled(y + j + 2, alpha, _mm512_reduce_add_ps(s2), beta);
+            store_scaled(y + j + 3, alpha, _mm512_reduce_add_ps(s3), beta);
+        }
+        for (; j < n; j++) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int l = 0; l < k; l += 16)
+                sum = _mm512_fmadd_ps(_mm512_loadu_ps(x + l), _mm512_loadu_ps(b + (long)j * ldb + l),
+                                      sum);
+            store_scaled(y + j, alpha, _mm512_reduce_add_ps(sum), beta);
+        }
+    }
+}
+
+/* Columns j .. j + 16 vectors - 1 of row x B (B k x n), in registers over all of k. */
+static inline __attribute__((always_inline)) void row_vectors(const int vectors, int j, int k,
+                                                             float alpha, const float *x,
+                                                             const float *b, int ldb,
+                                                             float beta, float *y) {
+    __m512 sums[4];
+    for (int t = 0; t < vectors; t++)
+        sums[t] = _mm512_setzero_ps();
+    for (int l = 0; l < k; l++) {
+        __m512 scale = _mm512_set1_ps(x[l]);
+        for (int t = 0; t < vectors; t++)
+            sums[t] = _mm512_fmadd_ps(scale, _mm512_loadu_ps(b + (long)l * ldb + j + 16 * t),
+                                      sums[t]);
+    }
+    for (int t = 0; t < vectors; t++) {
+        __m512 sum = _mm512_mul_ps(_mm512_set1_ps(alpha), sums[t]);
+        if (beta != 0.0f)
+            sum = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_loadu_ps(y + j + 16 * t), sum);
+        _mm512_storeu_ps(y + j + 16 * t, sum);
+    }
+}
+
+/* C = alpha A B + beta C, n a multiple of 16 (A m x k, B k x n): each row
+ * of C summed in registers, 64 columns at a time (one query's weighted
+ * values: 0.05 us instead of 0.2 over 40 keys). */
+static void tiny_rows(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                      int ldb, float beta, float *c, int ldc) {
+    for (int i = 0; i < m; i++) {
+        const float *x = a + (long)i * lda;
+        float *y = c + (long)i * ldc;
+        int j = 0;
+        for (; j + 64 <= n; j += 64)
+            row_vectors(4, j, k, alpha, x, b, ldb, beta, y);
+        for (; j < n; j += 16)
+            row_vectors(1, j, k, alpha, x, b, ldb, beta, y);
+    }
+}
+#endif
+
 /* C = alpha op(A) op(B) + beta C, computed here. */
 static void tiny(int trans_a, int trans_b, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+#ifdef __AVX512F__
+    /* Attention of a few queries: scores over the keys, then weighted values,
+     * per row and head, each a call of its own. */
+    if (trans_a == NO_TRANS && trans_b == TRANS && k % 16 == 0) {
+        tiny_dots(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return;
+    }
+    if (trans_a == NO_TRANS && trans_b == NO_TRANS && n % 16 == 0) {
+        tiny_rows(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return;
+    }
+#endif
     long row_step = trans_a == NO_TRANS ? lda : 1;
     long a_stride = trans_a == NO_TRANS ? 1 : lda;
     for (int i = 0; i < m; i++) {

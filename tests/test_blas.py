@@ -245,6 +245,10 @@ OWN = "streamed" if AVX512 else "padded"
 PRODUCTS = [
     (3, 40, 50, False, True, "tiny"),
     (3, 40, 50, True, False, "tiny"),
+    # With AVX-512, attention's shapes: inputs a multiple of 16 (4 columns
+    # at a time, then 1), or outputs (64 columns at a time, then 16).
+    (3, 64, 50, False, True, "tiny"),
+    (3, 50, 80, False, False, "tiny"),
     (1, 300, 1000, False, True, "streamed"),
     (2, 300, 1001, False, True, "streamed"),  # the last column after the blocks of 4
     # Long rows: up to 128 with AVX-512 (few_rows.c's own kernel, 4 rows at a
