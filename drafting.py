@@ -42,6 +42,11 @@ TIMED_ROUNDS = 9
 # assumes this acceptance rate there, weighted as this many tested tokens.
 PRIOR_ACCEPTANCE = 0.75
 PRIOR_WEIGHT = 4
+# Rounds timed over another number of rows stand in for the batch's own only
+# within this factor of it: a round's cost relative to a plain step grows
+# with the rows (at g = 1 on the benchmark pair, 1.5 at 8 rows, 2.0 at 32),
+# and a batch of 32 that took 8 rows' timings drafted where it did not pay.
+NEAREST_ROWS_RATIO = 1.5
 DRAFT_SOURCES = ("model", "lookup")
 
 
@@ -409,7 +414,7 @@ class RoundTimes:
     rows: a batch whose prompts are finishing runs faster with every row it
     drops. Rows that no plain and drafted rounds were both timed over (a
     batch's last rounds, as its prompts finish) take the nearest rows'
-    timings."""
+    timings, within ``NEAREST_ROWS_RATIO`` of their number."""
 
     def __init__(self):
         # Per number of rows, per (source or "plain", draft length): seconds.
@@ -425,15 +430,17 @@ class RoundTimes:
     def costs(self, source: str, calibrated: list[float], batch_size: int) -> list[float]:
         """``calibrated`` round costs of ``source`` (see ``best_num_draft``)
         corrected by the rounds timed over ``batch_size`` rows, or the
-        nearest number of rows that both plain and drafted rounds were timed
-        over: a length timed costs its median over that of plain rounds; the
+        nearest number of rows (within ``NEAREST_ROWS_RATIO``) that both
+        plain and drafted rounds were timed over: a length timed costs its median over that of plain rounds; the
         others their calibrated cost scaled as the timed lengths were (by the
         mean of measured over calibrated, weighted by rounds timed).
         Calibrated as they are until both were timed."""
         timed = [
             rows
             for rows, rounds in self.seconds.items()
-            if ("plain", 0) in rounds and any(kind[0] == source for kind in rounds)
+            if ("plain", 0) in rounds
+            and any(kind[0] == source for kind in rounds)
+            and max(rows, batch_size) <= NEAREST_ROWS_RATIO * min(rows, batch_size)
         ]
         if not timed:
             return calibrated

@@ -189,10 +189,12 @@ def test_round_times_correct_the_calibrated_costs():
     # Lookup rounds were not timed: their calibrated costs stand.
     assert times.costs("lookup", linear_round_costs(0.0), 8) == linear_round_costs(0.0)
     # Elsewhere, the nearest rows timed (the more of two as near): 8 rows for 7 and 10,
-    # 5 rows for 1 and 4, where g = 2 cost 100 plain rounds.
+    # 5 rows for 4, where g = 2 cost 100 plain rounds; none within 1.5x of 1 or 13 rows.
     assert times.costs("model", calibrated, 7) == times.costs("model", calibrated, 10) == costs
     assert times.costs("model", calibrated, 4)[2] == pytest.approx(100.0)
-    assert times.costs("model", calibrated, 1) == times.costs("model", calibrated, 4)
+    assert times.costs("model", calibrated, 1) == calibrated
+    assert times.costs("model", calibrated, 12) == costs
+    assert times.costs("model", calibrated, 13) == calibrated
     times.record("plain", 0, 11, 0.010)
     assert times.costs("model", calibrated, 10) == costs  # 11 rows: no drafted round timed
 
