@@ -114,15 +114,31 @@ def wrong_trim(original):
     return trim
 
 
+def first_row_columns(original):
+    """``DecoderCache.reserve`` that gives every row row 0's columns."""
+
+    def reserve(self, length):
+        columns, hidden = original(self, length)
+        return mx.broadcast_to(columns[:1], columns.shape), hidden
+
+    return reserve
+
+
+def starts_not_hidden(original):
+    """``DecoderCache.reserve`` whose mask hides only later columns, not
+    those before a row's start (where an earlier row's keys may lie)."""
+
+    def reserve(self, length):
+        columns, hidden = original(self, length)
+        return columns, mx.arange(hidden.shape[-1]) > columns[..., None]
+
+    return reserve
+
+
 BUGS = {
     "trim by row 0's count": (KVCache, "trim", wrong_trim(KVCache.trim)),
-    "positions of row 0": (
-        DecoderCache,
-        "positions",
-        lambda self, length: mx.broadcast_to(
-            mx.arange(length)[None] + self.lengths[0], (len(self.lengths), length)
-        ),
-    ),
+    "columns of row 0": (DecoderCache, "reserve", first_row_columns(DecoderCache.reserve)),
+    "starts not hidden": (DecoderCache, "reserve", starts_not_hidden(DecoderCache.reserve)),
 }
 
 
