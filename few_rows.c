@@ -114,7 +114,7 @@ static inline void store_scaled(float *out, float alpha, float sum, float beta) 
 
 /* C = alpha A B^T + beta C, k a multiple of 16 (A m x k, B n x k): four
  * columns at a time, so that four chains of multiply-adds run side by side
- * (one query's scores over its keys: 0.07 us instead of 0.25 at 40 keys). */
+ * (one query's scores over 40 keys: 0.11 us a call instead of 0.25). */
 static void tiny_dots(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                       int ldb, float beta, float *c, int ldc) {
     for (int i = 0; i < m; i++) {
@@ -170,7 +170,7 @@ static inline __attribute__((always_inline)) void row_vectors(const int vectors,
 
 /* C = alpha A B + beta C, n a multiple of 16 (A m x k, B k x n): each row
  * of C summed in registers, 64 columns at a time (one query's weighted
- * values: 0.05 us instead of 0.2 over 40 keys). */
+ * values over 40 keys: 0.06-0.10 us a call instead of 0.20). */
 static void tiny_rows(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                       int ldb, float beta, float *c, int ldc) {
     for (int i = 0; i < m; i++) {
