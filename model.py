@@ -378,7 +378,7 @@ class KVCache:
     row's positions are scattered, which on the CPU cost as much as copying
     the whole storage: 4 ms of a 37 ms step at 32 rows). A row with nothing
     cached starts at the batch's column; the columns before a row's start
-    are hidden by the mask (``DecoderCache.hidden``). Storage grows in
+    are hidden by the mask (``DecoderCache.reserve``). Storage grows in
     chunks of ``step`` columns, so appending is a write, not a
     concatenation; growing also aligns every row's end to the same column.
     ``trim`` only moves a row's end marker: what lies past it is hidden by
@@ -421,14 +421,14 @@ class KVCache:
         """Storage for ``length`` positions past the longest row, every row
         moved to end where it does: one write for all rows again."""
         rows, longest = len(self.lengths), max(self.lengths)
-        batch, heads, _, dim = self.keys.shape
+        held, heads, _, dim = self.keys.shape
         capacity = self.step * math.ceil((longest + length) / self.step)
         starts = [longest - n for n in self.lengths]
         grown = []
         for old in (self.keys, self.values):
             # Zeros, not memory past the old storage's end, in rows admitted past it.
             new = mx.zeros((rows, heads, capacity, dim), old.dtype)
-            for i in range(min(rows, batch)):  # a slice per row: a gather cost 5 ns a value
+            for i in range(min(rows, held)):  # a slice per row: a gather cost 5 ns a value
                 n, start = self.lengths[i], self.starts[i]
                 if n:
                     new[i : i + 1, :, starts[i] : longest] = old[i : i + 1, :, start : start + n]
