@@ -431,10 +431,11 @@ class RoundTimes:
         """``calibrated`` round costs of ``source`` (see ``best_num_draft``)
         corrected by the rounds timed over ``batch_size`` rows, or the
         nearest number of rows (within ``NEAREST_ROWS_RATIO``) that both
-        plain and drafted rounds were timed over: a length timed costs its median over that of plain rounds; the
-        others their calibrated cost scaled as the timed lengths were (by the
-        mean of measured over calibrated, weighted by rounds timed).
-        Calibrated as they are until both were timed."""
+        plain and drafted rounds were timed over: a length timed costs its
+        median over that of plain rounds; the others their calibrated cost
+        scaled as the timed lengths were (by the mean of measured over
+        calibrated, weighted by rounds timed). Calibrated as they are until
+        both were timed."""
         timed = [
             rows
             for rows, rounds in self.seconds.items()
