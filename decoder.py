@@ -281,6 +281,7 @@ class BatchGenerator:
             row_keys = mx.stack([row.key for row in rows])
             next_keys, verify_keys, draft_keys = split_keys(row_keys, 3)
         draft = None
+        encoded_before = self.drafter.encoding_time if self.drafter is not None else 0.0
         if self.drafter is not None and max(limits) > 0:
             drafting_rows = [row.acceptance for row, limit in zip(rows, limits) if limit > 0]
             choose = functools.partial(
@@ -305,6 +306,11 @@ class BatchGenerator:
         mx.eval(num_accepted, next_tokens, draft.tokens, next_keys)
 
         self.rounds += 1
+        # A lazy drafter's first proposal encoded the live rows' prompts:
+        # their prompt processing, shared evenly, not the round's.
+        encoding_time = 0.0
+        if self.drafter is not None:
+            encoding_time = self.drafter.encoding_time - encoded_before
         events = []
         eos = decoder.model.args.eos_token_id
         for i, (row, accepted, next_token, draft_tokens) in enumerate(
@@ -324,6 +330,7 @@ class BatchGenerator:
                     accepted, rejected = end + 1, False
                 new_tokens = new_tokens[:end]
             result = row.result
+            result.prompt_time += encoding_time / len(live)
             if num_draft > 0:
                 self.draft_length.update(
                     draft.sources[i], accepted, accepted + int(rejected), row.acceptance
@@ -344,7 +351,7 @@ class BatchGenerator:
             if result.finished:
                 self._free(i)
         if self.draft_length is not None:
-            self.draft_length.timed(draft, time.perf_counter() - tic)
+            self.draft_length.timed(draft, time.perf_counter() - tic - encoding_time)
         return events
 
     def _free(self, place: int) -> None:
@@ -424,8 +431,9 @@ class BatchGenerator:
         if self.prompt_progress is None:
             return None
         models = [self.decoder.model]
-        if self.speculative and self.decoder.draft_model is not None:
-            models.append(self.decoder.draft_model)
+        draft_model = self.decoder.draft_model
+        if self.speculative and draft_model is not None and not self.decoder.lazy_drafting:
+            models.append(draft_model)
         total = len(encoder_passes(prompts)) * sum(model.args.num_layers for model in models)
         done = itertools.count(1)
         self.prompt_progress(0, total)
@@ -539,13 +547,19 @@ class SpeculativeDecoder:
             )
         return list(prompt)
 
+    @property
+    def lazy_drafting(self) -> bool:
+        """Whether the draft model encodes a batch's prompts only when it
+        first drafts (see ``ModelDrafter``): with "auto", which may not."""
+        return self.num_draft == "auto" and self.draft_model is not None
+
     def drafter(self, prompts: list[list[int]], on_layer: Callable[[], None] | None = None):
         """A drafter for a batch of ``prompts`` (token ids); a draft model
-        calls ``on_layer()`` after each layer of its encoder."""
+        calls ``on_layer()`` after each layer of its encoder (unless lazy)."""
         vocab_size = self.model.args.vocab_size
         if self.drafting == "prompt lookup":
             return PromptLookupDrafter(prompts, vocab_size, self.prompt_lookup)
-        model_drafter = ModelDrafter(self.draft_model, prompts, on_layer)
+        model_drafter = ModelDrafter(self.draft_model, prompts, on_layer, self.lazy_drafting)
         if self.drafting == "draft model":
             return model_drafter
         # Single-token matches are weak; the draft model does better there.

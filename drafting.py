@@ -36,6 +36,13 @@ MAX_AUTO_DRAFT = 16
 # or in turn (when it drafts) none: so that it keeps testing the position
 # past its choice, and timing plain rounds (see DraftLength).
 PROBE_EVERY = 8
+# A probe drafts one token more only where a longer draft would pay were
+# the next this many tokens tested at each position all accepted; where
+# even that would not pay, only every HOPELESS_PROBE_EVERY rounds (a
+# multiple of 2 * PROBE_EVERY): often enough to notice costs or acceptance
+# that changed, too rarely to cost much.
+PROBE_OPTIMISM = 4
+HOPELESS_PROBE_EVERY = 64
 # "auto" weighs the median time of the last this many rounds of each length.
 TIMED_ROUNDS = 9
 # Before a generation's first tested draft token at a given position, "auto"
@@ -90,15 +97,30 @@ def decode_pending(model: T5, cache: DecoderCache, pending: list[list[int]]) -> 
 
 class ModelDrafter:
     """Drafts with a small model, one token at a time for all rows at once;
-    each row has its own place in the draft model's cache."""
+    each row has its own place in the draft model's cache.
+
+    A ``lazy`` drafter encodes its rows' prompts when it first proposes
+    tokens, not before, and reports no encoder layers to ``on_layer``: auto
+    may never draft (at 32 rows of the benchmark pair a round of one draft
+    token cost over twice a plain step), and encoding the prompts of a batch
+    of 32 for the draft model cost 3 plain steps. The rows' sequences catch
+    up in the draft cache when it proposes, as after plain steps."""
 
     source = "model"
 
     def __init__(
-        self, model: T5, prompts: list[list[int]], on_layer: Callable[[], None] | None = None
+        self,
+        model: T5,
+        prompts: list[list[int]],
+        on_layer: Callable[[], None] | None = None,
+        lazy: bool = False,
     ):
         self.model = model
-        self.cache = model.prompt_cache(prompts, on_layer)
+        self.lazy = lazy
+        # Per row, until the first proposal encodes them (lazy): the prompt.
+        self.prompts = [list(ids) for ids in prompts] if lazy else []
+        self.cache = None if lazy else model.prompt_cache(prompts, on_layer)
+        self.encoding_time = 0.0  # seconds proposals spent encoding prompts (lazy)
         self.fed = 0  # draft tokens of the last proposal fed into the cache
 
     def admit(
@@ -108,11 +130,20 @@ class ModelDrafter:
         on_layer: Callable[[], None] | None = None,
     ) -> None:
         """Give ``rows`` (restarted, or added past the batch) ``prompts``;
-        ``on_layer()`` after each layer of the encoder."""
+        ``on_layer()`` after each layer of the encoder (unless lazy)."""
+        if self.cache is None:
+            self.prompts += [[]] * (max(rows) + 1 - len(self.prompts))
+            for row, ids in zip(rows, prompts, strict=True):
+                self.prompts[row] = list(ids)
+            return
+        on_layer = None if self.lazy else on_layer
         self.cache.admit(rows, self.model.prompt_cache(prompts, on_layer))
 
     def keep_rows(self, rows: list[int]) -> None:
-        self.cache.keep_rows(rows)
+        if self.cache is None:
+            self.prompts = [self.prompts[row] for row in rows]
+        else:
+            self.cache.keep_rows(rows)
 
     def propose(
         self,
@@ -129,6 +160,11 @@ class ModelDrafter:
         num_draft = min(budget(self.source), max(limits))
         if num_draft == 0:
             return None
+        if self.cache is None:
+            tic = time.perf_counter()
+            self.cache = self.model.prompt_cache(self.prompts)
+            self.prompts = []
+            self.encoding_time += time.perf_counter() - tic
         logits = decode_pending(self.model, self.cache, trim_to(self.cache, sequences))
         tokens, probs = [], []
         for step in range(num_draft):
@@ -246,6 +282,7 @@ class PromptLookupDrafter:
     (prompt-lookup decoding). The proposal is deterministic: a point mass."""
 
     source = "lookup"
+    encoding_time = 0.0  # it encodes nothing
 
     def __init__(
         self, prompts: list[list[int]], vocab_size: int, max_ngram: int, min_ngram: int = 1
@@ -308,6 +345,10 @@ class HybridDrafter:
 
     def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
         self.lookup, self.model = lookup, model
+
+    @property
+    def encoding_time(self) -> float:
+        return self.model.encoding_time
 
     def admit(
         self,
@@ -478,9 +519,13 @@ class DraftLength:
     rate moves only where tokens are tested, so without that a position
     that an unlucky start made look poor (or a draft that stopped paying
     for itself, at g = 0) would never be drafted, and so never corrected,
-    again. When it drafts, every other such round is a plain step instead,
-    starting with the first: ``times`` measures drafted rounds against plain
-    ones, so it needs both.
+    again. It does so while a longer draft would pay were the next
+    PROBE_OPTIMISM tokens tested at each position accepted; once the tests
+    leave no such hope (or the rounds' costs leave none, as at 32 rows of
+    the benchmark pair), only every HOPELESS_PROBE_EVERY rounds. When it
+    drafts, every other such round is a plain step instead, starting with
+    the first: ``times`` measures drafted rounds against plain ones, so it
+    needs both.
 
     ``earlier`` holds, per source, the [accepted, tested] counts per position
     of the decoder's earlier generations, and is updated too. This
@@ -522,17 +567,23 @@ class DraftLength:
         if self.num_draft != "auto":
             return self.num_draft
         accepted, tested = self.counts[source]
-        rates = accepted / tested
         if rows:
             row_accepted, row_tested = np.stack([row[source] for row in rows], axis=1)
             others = (accepted - row_accepted) / (tested - row_tested)
-            rates = (row_accepted + others * PRIOR_WEIGHT) / (row_tested + PRIOR_WEIGHT)
+            accepted = row_accepted + others * PRIOR_WEIGHT
+            tested = row_tested + PRIOR_WEIGHT
         costs = self.times.costs(source, self.round_costs[source], batch_size)
-        num_draft = best_num_draft(rates, costs)
+        num_draft = best_num_draft(accepted / tested, costs)
         self.rounds[source] += 1
-        if self.rounds[source] % PROBE_EVERY == 0:
-            if num_draft > 0 and self.rounds[source] % (2 * PROBE_EVERY) == PROBE_EVERY:
-                return 0
+        if self.rounds[source] % PROBE_EVERY:
+            return num_draft
+        if num_draft > 0 and self.rounds[source] % (2 * PROBE_EVERY) == PROBE_EVERY:
+            return 0
+        hopeful = (accepted + PROBE_OPTIMISM) / (tested + PROBE_OPTIMISM)
+        if (
+            best_num_draft(hopeful, costs) > num_draft
+            or self.rounds[source] % HOPELESS_PROBE_EVERY == 0
+        ):
             return min(num_draft + 1, MAX_AUTO_DRAFT)
         return num_draft
 

@@ -21,7 +21,8 @@ from test_sampling_distribution import (
     exact_distribution,
 )
 
-from decoder import SpeculativeDecoder
+from decoder import SpeculativeDecoder, iter_rounds
+from drafting import HOPELESS_PROBE_EVERY
 from model import DecoderCache, KVCache, compacted_rows
 from sampling import Sampling
 
@@ -101,6 +102,28 @@ def test_every_row_equals_its_prompt_decoded_alone(drafting, batch_size, early_e
     """Rows of very different prompt lengths, ending early or not, and (at
     batch size 3) rows refilled from the queue as others finish."""
     check_rows_equal_alone(early_ending_pair, drafting, batch_size)
+
+
+def test_rows_decoded_before_auto_first_drafts_equal_their_prompts_alone(early_ending_pair):
+    """auto with no hope of drafting paying steps plainly until its rare
+    probe (round HOPELESS_PROBE_EVERY): its draft model encodes the rows'
+    prompts then (``ModelDrafter``'s lazy mode), after rows joined and
+    left, and each row's draft cache catches up on its whole output."""
+    decoder = decoder_for(early_ending_pair, "draft model auto")
+    cheap_drafts(decoder, draft_cost=0.9)  # pays above 0.9 acceptance: the prior, 0.75, is far
+    alone = [decoder.generate(prompt, max_tokens=MAX_NEW) for prompt in PROMPTS]
+    generator = decoder.batch_generator(max_batch_size=3)
+    uids = [generator.insert(prompt, max_tokens=MAX_NEW) for prompt in PROMPTS]
+    results, first_drafted, joined_before = {}, None, set()
+    for events in iter_rounds(generator):
+        results.update(events)
+        if first_drafted is None and any(result.n_draft for _, result in events):
+            first_drafted = generator.rounds
+        if first_drafted is None:
+            joined_before.update(uid for uid, _ in events)
+    assert [results[uid].tokens for uid in uids] == [result.tokens for result in alone]
+    assert first_drafted == HOPELESS_PROBE_EVERY
+    assert len(joined_before) > 3  # rows joined the batch of 3 before it drafted
 
 
 def wrong_trim(original):

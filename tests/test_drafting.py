@@ -9,11 +9,13 @@ from fixtures import auto_costs, cheap_drafts, linear_round_costs
 
 from decoder import SpeculativeDecoder
 from drafting import (
+    HOPELESS_PROBE_EVERY,
     MAX_AUTO_DRAFT,
     PROBE_EVERY,
     TIMED_ROUNDS,
     Draft,
     DraftLength,
+    ModelDrafter,
     RoundTimes,
     acceptance_counts,
     best_num_draft,
@@ -21,6 +23,8 @@ from drafting import (
     find_continuation,
     piecewise_linear,
 )
+from model import compacted_rows
+from sampling import RowSampling, Sampling
 
 PROMPTS = [
     "restore: the house is small and the garden is green behind the old wall.",
@@ -134,27 +138,43 @@ def test_auto_draft_length_follows_acceptance():
     assert DraftLength(3, {}).choose("model") == 3
 
 
-def test_auto_draft_length_stops_drafting_a_draft_that_does_not_pay_but_probes_it():
-    length = DraftLength("auto", auto_costs(0.5))
-    for _ in range(20):
-        length.update("model", 0, 1)
-    choices = [length.choose("model") for _ in range(3 * PROBE_EVERY)]
-    # A plain step, but one token drafted every PROBE_EVERY rounds (a probe).
-    assert choices == ([0] * (PROBE_EVERY - 1) + [1]) * 3
+def test_auto_stops_drafting_a_draft_that_does_not_pay_and_probes_it_while_it_might():
+    # A round of one draft token costs 1.55 plain steps: it pays above 0.55 acceptance.
+    length = DraftLength("auto", auto_costs(0.55))
+    for _ in range(3):
+        length.update("model", 0, 1)  # the prior (3 of 4) and 3 rejections: 3 of 7
+    choices = []
+    for _ in range(4 * PROBE_EVERY):
+        num_draft = length.choose("model")
+        if num_draft:
+            length.update("model", 0, num_draft)  # every probe rejected
+        choices.append(num_draft)
+    # Plain steps, but one token drafted every PROBE_EVERY rounds (a probe)
+    # while 4 more accepted tokens would make it pay: 7 of 11, 7 of 12, and
+    # after the second probe's rejection no longer (7 of 13, 0.54).
+    assert choices == ([0] * (PROBE_EVERY - 1) + [1]) * 2 + [0] * 2 * PROBE_EVERY
     for _ in range(40):
-        length.update("model", 1, 1)  # the probes found the draft agreeing again
+        length.update("model", 1, 1)  # the draft agreeing again (a new prompt, say)
     assert length.choose("model") >= 1
 
 
-def test_auto_recovers_a_position_an_unlucky_start_made_look_poor():
+@pytest.mark.parametrize(
+    ("rejections", "rounds"),
+    [(5, 25 * PROBE_EVERY), (10, 2 * HOPELESS_PROBE_EVERY + 25 * PROBE_EVERY)],
+    ids=["hope left", "no hope left"],
+)
+def test_auto_recovers_a_position_an_unlucky_start_made_look_poor(rejections, rounds):
     length = DraftLength("auto", auto_costs(0.3))
-    for _ in range(10):
+    for _ in range(rejections):
         length.update("model", 1, 2)  # at first every second token rejected
     assert length.choose("model") == 1
-    for _ in range(25 * PROBE_EVERY):
+    for _ in range(rounds):
         num_draft = length.choose("model")
         length.update("model", num_draft, num_draft)  # from now on every one accepted
-    # Only the probes test the second position, and they find it agreeing.
+    # Only the probes test the second position, and they find it agreeing:
+    # every PROBE_EVERY rounds while 4 more accepted tokens would make g = 2
+    # pay (0 of 5 tested), else every HOPELESS_PROBE_EVERY (0 of 10) until
+    # they would.
     assert length.choose("model") > 2
 
 
@@ -227,8 +247,9 @@ def test_auto_stops_drafting_where_its_rounds_cost_more_than_calibrated():
     choices = run_timed_rounds(length, lambda g: 0.01 * (1 + g), 4 * PROBE_EVERY)
     assert choices[0] >= 1
     assert list(length.times.seconds) == [2]  # filed by rows
-    # Once a probe timed a plain round: plain steps, probing one token.
-    assert choices[-PROBE_EVERY:] == [0] * (PROBE_EVERY - 1) + [1]
+    # Once a probe timed a plain round: plain steps, and no probe, since
+    # even were the next 4 tokens accepted (0.81) drafting would not pay.
+    assert choices[-2 * PROBE_EVERY :] == [0] * 2 * PROBE_EVERY
     assert length.choose("model", 3) == 0  # nothing timed at 3 rows: as at 2
 
 
@@ -236,9 +257,11 @@ def test_auto_drafts_where_its_rounds_cost_less_than_calibrated():
     # Calibrated, a draft step costs 0.5 plain steps: at acceptance 0.4 no g pays.
     length = accepting(DraftLength("auto", auto_costs(0.5)), 0.4)
     # But a round of g costs 1 + 0.1 g plain rounds: 1.4 tokens for 1.1 at g = 1.
-    choices = run_timed_rounds(length, lambda g: 0.01 * (1 + 0.1 * g), 4 * PROBE_EVERY)
-    assert choices[0] == 0
-    # Once a probe timed a drafted round: drafting, probing with a plain round
+    rounds = HOPELESS_PROBE_EVERY + 2 * PROBE_EVERY
+    choices = run_timed_rounds(length, lambda g: 0.01 * (1 + 0.1 * g), rounds)
+    # No hope at the calibrated costs: plain steps until the rare probe.
+    assert choices[: HOPELESS_PROBE_EVERY - 1] == [0] * (HOPELESS_PROBE_EVERY - 1)
+    # Once it timed a drafted round: drafting, probing with a plain round
     # and one token more in turn.
     assert [g > 0 for g in choices[-2 * PROBE_EVERY :]] == [True] * (PROBE_EVERY - 1) + [False] + [
         True
@@ -278,6 +301,7 @@ def test_auto_weighs_each_row_by_its_own_acceptance():
 
 def test_batch_rows_keep_their_own_acceptance(decoding_pair):
     decoder = SpeculativeDecoder(*decoding_pair, num_draft="auto")
+    cheap_drafts(decoder)
     generator = decoder.batch_generator(max_batch_size=2)
     for prompt in PROMPTS[:2]:
         generator.insert(prompt, max_tokens=MAX_TOKENS)
@@ -300,6 +324,31 @@ def test_batch_rows_keep_their_own_acceptance(decoding_pair):
         accepted, tested = row.acceptance["model"]
         assert accepted.sum() == row.result.n_accepted
         assert tested.sum() == row.result.n_accepted + row.result.n_rejected > 0
+
+
+def test_a_lazy_model_drafter_encodes_its_rows_prompts_when_it_first_drafts(decoding_pair):
+    """Rows admitted and dropped before a lazy drafter first drafts draft
+    as an eager drafter's rows do; encoding is timed as the drafter's own."""
+    model, draft_model, tokenizer = decoding_pair
+    prompts = [tokenizer(prompt).input_ids for prompt in PROMPTS]
+    drafters = [ModelDrafter(draft_model, prompts[:2], lazy=lazy) for lazy in (False, True)]
+    start = model.args.decoder_start_token_id
+    for drafter in drafters:
+        drafter.admit([1, 2], [prompts[2], prompts[0]])  # row 1 restarted, row 2 added
+        drafter.keep_rows(compacted_rows([False, True, True]))  # row 0 leaves, row 2 takes it
+    eager, lazy = drafters
+    assert lazy.cache is None and lazy.encoding_time == 0.0
+    # A row that made plain steps before: the draft cache catches up.
+    sequences = [[start, 5, 7], [start]]
+    greedy = RowSampling([Sampling()] * 2)
+    drafts = [drafter.propose(sequences, greedy, lambda source: 3, [3, 3]) for drafter in drafters]
+    assert lazy.cache is not None and lazy.encoding_time > 0.0 == eager.encoding_time
+    assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist()
+    # Differently ordered prompts would draft otherwise.
+    wrong = ModelDrafter(draft_model, [prompts[1], prompts[0]])
+    assert wrong.propose(sequences, greedy, lambda source: 3, [3, 3]).tokens.tolist() != (
+        drafts[0].tokens.tolist()
+    )
 
 
 def test_auto_starts_from_the_acceptance_of_earlier_generations():
@@ -360,6 +409,7 @@ def test_prompt_lookup_keeps_the_greedy_output(prompt_lookup, num_draft, copying
 @pytest.mark.parametrize("num_draft", [3, "auto"])
 def test_hybrid_keeps_the_greedy_output(num_draft, copying_pair):
     decoder = SpeculativeDecoder(*copying_pair, num_draft=num_draft, prompt_lookup=3)
+    cheap_drafts(decoder)
     totals = decode_all(decoder)
     # Both drafters drafted: lookup where a 2- or 3-gram matched, the model elsewhere.
     assert 0 < totals["lookup_rounds"] < totals["rounds"]
@@ -368,6 +418,7 @@ def test_hybrid_keeps_the_greedy_output(num_draft, copying_pair):
 
 def test_auto_with_a_draft_model_keeps_the_greedy_output(decoding_pair):
     decoder = SpeculativeDecoder(*decoding_pair, num_draft="auto")
+    cheap_drafts(decoder)
     totals = decode_all(decoder)
     assert 0.3 < totals["accepted"] / totals["proposed"] < 0.97
     assert totals["lookup_rounds"] == 0
@@ -375,9 +426,10 @@ def test_auto_with_a_draft_model_keeps_the_greedy_output(decoding_pair):
 
 def test_auto_that_mostly_steps_plainly_keeps_the_greedy_output(decoding_pair):
     decoder = SpeculativeDecoder(*decoding_pair, num_draft="auto")
-    # Drafting pays only above 90% acceptance: plain steps, with a one-token
-    # probe every PROBE_EVERY rounds after which the draft model catches up.
-    cheap_drafts(decoder, draft_cost=0.9)
+    # Drafting pays only above 85% acceptance: plain steps, with a one-token
+    # probe every PROBE_EVERY rounds (while 4 more accepted tokens would make
+    # it pay) after which the draft model catches up.
+    cheap_drafts(decoder, draft_cost=0.85)
     totals = decode_all(decoder)
     assert 0 < totals["rounds"] < totals["passes"] / (PROBE_EVERY - 2)
     assert totals["proposed"] == totals["rounds"]

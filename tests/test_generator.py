@@ -7,6 +7,7 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
+from fixtures import cheap_drafts
 from test_batch import PROMPTS
 from test_sampling_distribution import (
     MAX_TOKENS,
@@ -197,7 +198,7 @@ def test_row_sampling_applies_each_rows_setting():
         assert mx.allclose(mixed[row : row + 1], alone, atol=1e-6).item(), setting
 
 
-@pytest.mark.parametrize("mode", ["draft model", "prompt lookup", "regular"])
+@pytest.mark.parametrize("mode", ["draft model", "draft model auto", "prompt lookup", "regular"])
 @pytest.mark.parametrize(
     ("prompts", "passes"),
     [([PROMPTS[3], PROMPTS[9]], 1), ([PROMPTS[0], PROMPTS[2]], 2)],
@@ -205,15 +206,18 @@ def test_row_sampling_applies_each_rows_setting():
 )
 def test_prompt_progress_counts_every_encoder_layer(mode, prompts, passes, decoding_pair):
     """``prompt_progress`` gets (0, total), then (k, total) after each encoder
-    layer of every model that encodes the prompts, in every padded pass."""
+    layer of every model that encodes the prompts, in every padded pass;
+    with "auto" the draft model encodes them when it first drafts, if ever."""
     main_model, draft_model, tokenizer = decoding_pair
     decoder = SpeculativeDecoder(
         main_model,
-        draft_model if mode == "draft model" else None,
+        draft_model if mode.startswith("draft model") else None,
         tokenizer,
-        num_draft=2,
+        num_draft="auto" if mode.endswith("auto") else 2,
         prompt_lookup=2 if mode == "prompt lookup" else 0,
     )
+    if mode.endswith("auto"):
+        cheap_drafts(decoder)  # so that it drafts, from the first round
     # The prompts are of lengths that take this many passes (see ENCODE_TOGETHER_RATIO).
     assert len(encoder_passes([decoder.prompt_ids(prompt) for prompt in prompts])) == passes
     layers = main_model.args.num_layers
@@ -231,12 +235,11 @@ def test_prompt_progress_counts_every_encoder_layer(mode, prompts, passes, decod
     assert calls == [(done, total) for done in range(total + 1)]
     # A single prompt: a batch of one, one pass.
     calls.clear()
-    list(
-        decoder.stream(
-            PROMPTS[3],
-            speculative=mode != "regular",
-            prompt_progress=lambda *c: calls.append(c),
-            max_tokens=2,
-        )
+    *_, result = decoder.stream(
+        PROMPTS[3],
+        speculative=mode != "regular",
+        prompt_progress=lambda *c: calls.append(c),
+        max_tokens=2,
     )
     assert calls == [(done, layers) for done in range(layers + 1)]
+    assert (result.n_draft > 0) == mode.startswith("draft model")
