@@ -3,11 +3,12 @@ or cancelled) without changing any other row; each row samples with its own
 settings and its own random stream, so a seeded prompt gets the text it gets
 alone; events are snapshots; bad prompts are named by their index."""
 
+import time
 from collections import Counter
 
 import mlx.core as mx
 import pytest
-from fixtures import cheap_drafts
+from fixtures import auto_costs, cheap_drafts
 from test_batch import PROMPTS
 from test_sampling_distribution import (
     MAX_TOKENS,
@@ -196,6 +197,39 @@ def test_row_sampling_applies_each_rows_setting():
     for row, setting in enumerate(settings):
         alone = setting.probabilities(logits[row : row + 1])
         assert mx.allclose(mixed[row : row + 1], alone, atol=1e-6).item(), setting
+
+
+class SlowPrompts:
+    """A model whose prompt encoding takes ``delay`` seconds more."""
+
+    def __init__(self, model, delay: float):
+        self.model, self.delay = model, delay
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def prompt_cache(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return self.model.prompt_cache(*args, **kwargs)
+
+
+def test_auto_counts_its_draft_models_encoding_as_prompt_time_not_as_the_rounds(decoding_pair):
+    """auto's draft model encodes the batch's prompts in the round that
+    first drafts: the rows' prompt time, shared evenly, and not part of the
+    round time auto weighs its costs by."""
+    model, draft_model, tokenizer = decoding_pair
+    delay = 0.5
+    decoder = SpeculativeDecoder(model, SlowPrompts(draft_model, delay), tokenizer, "auto")
+    decoder.measure_costs = lambda prompt_ids, batch_size=1: auto_costs(0.1)  # drafting pays
+    generator = decoder.batch_generator(max_batch_size=2)
+    for prompt in PROMPTS[:2]:
+        generator.insert(prompt, max_tokens=MAX_NEW)
+    events = generator.next()
+    assert all(result.n_draft > 0 for _, result in events)  # the first round drafted
+    assert all(result.prompt_time > delay / 2 for _, result in events)
+    (times,) = decoder.round_times.values()
+    ((kind, seconds),) = times.seconds[2].items()
+    assert kind[0] == "model" and len(seconds) == 1 and seconds[0] < delay
 
 
 @pytest.mark.parametrize("mode", ["draft model", "draft model auto", "prompt lookup", "regular"])
