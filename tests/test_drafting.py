@@ -21,6 +21,7 @@ from drafting import (
     best_num_draft,
     expected_tokens_per_round,
     find_continuation,
+    pass_times,
     piecewise_linear,
 )
 from model import compacted_rows
@@ -462,6 +463,34 @@ def test_auto_times_the_rounds_of_each_draft_source(decoding_pair):
     # steps add several plain steps' worth to a round of g = 8.
     hybrid = costs["hybrid"]
     assert hybrid["model"][8] > hybrid["lookup"][8] + 2
+
+
+class RecordingPasses:
+    """A model that records, for every decoder pass, its number of tokens
+    and where each row of the cache ended before it."""
+
+    def __init__(self, model):
+        self.model, self.passes = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def decode(self, inputs: mx.array, cache):
+        self.passes.append((inputs.shape[1], cache.self_attn[0].ends))
+        return self.model.decode(inputs, cache)
+
+
+def test_calibration_times_drafted_passes_on_rows_that_end_apart(decoding_pair):
+    """Rows that accepted different numbers of tokens end at different
+    columns, where a pass's cache writes are a scatter: auto's calibration
+    times passes over several tokens so, and a plain step on even rows."""
+    model, _, tokenizer = decoding_pair
+    recording = RecordingPasses(model)
+    encoder_output = model.encode(mx.array([tokenizer(PROMPTS[0]).input_ids]))
+    pass_times(recording, encoder_output, 4, batch_size=2, repeats=1)
+    timed = recording.passes[2:]  # after the passes that fill the two caches
+    assert sorted(length for length, _ in timed) == [1, 2, 3, 4]
+    assert all((len(set(ends)) > 1) == (length > 1) for length, ends in timed)
 
 
 @pytest.mark.parametrize(
