@@ -15,11 +15,16 @@ import shlex
 import sys
 from pathlib import Path
 
+# The weights convert.py writes (safetensors, which MLX reads itself), and
+# those of conversions by earlier versions (see model.weights_file).
+WEIGHTS_FILE = "weights.safetensors"
+LEGACY_WEIGHTS_FILE = "weights.npz"
 # Every name convert.py writes into a model directory: the weights, config.json
 # and the tokenizer's files (those any transformers version saves for T5).
 CONVERTED_FILES = frozenset(
     {
-        "weights.npz",
+        WEIGHTS_FILE,
+        LEGACY_WEIGHTS_FILE,
         "config.json",
         "tokenizer.json",
         "tokenizer_config.json",
@@ -128,8 +133,9 @@ def format_bytes(size: float) -> str:
 
 
 def is_converted(path: Path) -> bool:
-    """Whether ``path`` holds a converted model: config.json and weights.npz."""
-    return (path / "config.json").is_file() and (path / "weights.npz").is_file()
+    """Whether ``path`` holds a converted model: config.json and weights."""
+    weights = (path / WEIGHTS_FILE, path / LEGACY_WEIGHTS_FILE)
+    return (path / "config.json").is_file() and any(file.is_file() for file in weights)
 
 
 def read_config(path: Path) -> dict:

@@ -6,7 +6,7 @@
     python convert.py --model t5-11b -q                 # 4-bit: mlx_models/t5-11b-4bit
     python convert.py --model t5-small --dtype float32 --force   # replace mlx_models/t5-small
 
-The output directory holds ``weights.npz`` (MLX parameter names),
+The output directory holds ``weights.safetensors`` (MLX parameter names),
 ``config.json`` and the tokenizer files, so running needs no network.
 convert.py never deletes or replaces what it did not write.
 """
@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx import nn
 
 from cli import (
+    WEIGHTS_FILE,
     ArgumentParser,
     default_output,
     format_bytes,
@@ -547,7 +548,7 @@ def convert(
             precision += f", {len(layers)} layers {quantization['bits']}-bit {quantization['mode']}"
             precision += f" in groups of {quantization['group_size']}"
         print(f"writing {len(weights)} tensors ({size}, {precision})", flush=True)
-        mx.savez(str(staging / "weights.npz"), **weights)
+        mx.save_safetensors(str(staging / WEIGHTS_FILE), weights)
         check_output(out, model, force)  # again: something may have appeared there meanwhile
         move_into_place(staging, out)
     finally:

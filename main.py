@@ -312,9 +312,9 @@ def check_memory(
     ``prompt_tokens`` tokens at once."""
     import mlx.core as mx
 
-    from model import load_config, parameter_bytes
+    from model import load_config, parameter_bytes, weights_file
 
-    weights = [(path / "weights.npz").stat().st_size for path in paths]
+    weights = [weights_file(path).stat().st_size for path in paths]
     per_row = [runtime_bytes(path, prompt_tokens, max_tokens) for path in paths]
     runtime = [batch_size * row for row in per_row]
     needed, available = sum(weights) + sum(runtime), available_memory()

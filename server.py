@@ -648,8 +648,9 @@ def prompt_token_limit(paths: list[Path], max_tokens: int, batch_size: int) -> i
     """The longest prompt, in tokens, for which a full batch at ``max_tokens``
     fits in memory by main.py's estimate."""
     from main import available_memory, runtime_bytes
+    from model import weights_file
 
-    weights = sum((path / "weights.npz").stat().st_size for path in paths)
+    weights = sum(weights_file(path).stat().st_size for path in paths)
     budget = available_memory() - weights
 
     def fits(tokens: int) -> bool:

@@ -36,7 +36,7 @@ from limits import decoder_step_bytes
 from mlx.utils import tree_flatten
 
 import convert
-from cli import POSITIVE, ArgumentParser
+from cli import POSITIVE, ArgumentParser, is_converted
 from decoder import SpeculativeDecoder, load_tokenizer
 from model import load_model
 
@@ -50,7 +50,7 @@ PRECISIONS = {
 
 def converted(hf_dir: Path, out: Path, precision: str) -> Path:
     """``hf_dir`` converted at ``precision`` into ``out``, unless already there."""
-    if not (out / "weights.npz").is_file():
+    if not is_converted(out):
         settings = PRECISIONS[precision]
         quantization = settings and convert.quantization_settings(*settings)
         convert.convert(str(hf_dir), out, "float32", quantization)

@@ -478,7 +478,7 @@ def test_resolve_model_finds_convert_default_output(tmp_path, monkeypatch):
         out = convert.default_output(name)
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
-        (out / "weights.npz").write_bytes(b"")
+        (out / "weights.safetensors").write_bytes(b"")
         assert main_module.resolve_model(name) == out
 
 
@@ -591,19 +591,19 @@ def test_unconverted_model_names_the_convert_command(role, models, tmp_path):
 
 
 def truncate_weights(directory: Path) -> None:
-    weights = directory / "weights.npz"
+    weights = directory / "weights.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
 
 
 def randomize_weights(directory: Path) -> None:
-    weights = directory / "weights.npz"
+    weights = directory / "weights.safetensors"
     weights.write_bytes(random.Random(0).randbytes(weights.stat().st_size))
 
 
 def replace_tokenizer(directory: Path) -> None:
     """Swap in a tokenizer with a different (150-piece) vocabulary."""
     for file in directory.iterdir():
-        if file.name not in ("config.json", "weights.npz"):
+        if file.name not in ("config.json", "weights.safetensors"):
             file.unlink()
     train_tokenizer(directory, vocab_size=150)
 
@@ -626,7 +626,7 @@ def break_config_json(directory: Path) -> None:
 
 def remove_tokenizer(directory: Path) -> None:
     for file in directory.iterdir():
-        if file.name not in ("config.json", "weights.npz"):
+        if file.name not in ("config.json", "weights.safetensors"):
             file.unlink()
 
 
@@ -677,7 +677,7 @@ def needed_bytes(models) -> int:
     """What main.py reckons the pair needs for GENERATE."""
     prompt_tokens = len(load_tokenizer(models[0])(PROMPT).input_ids)
     return sum(
-        (path / "weights.npz").stat().st_size
+        (path / "weights.safetensors").stat().st_size
         + main_module.runtime_bytes(path, prompt_tokens, MAX_TOKENS)
         for path in models
     )
@@ -977,7 +977,7 @@ def test_batch_that_does_not_fit_names_a_batch_size_that_does(
     """The memory check counts min(--batch-size, prompts) rows of the longest
     prompt and names the largest batch size that fits; that one runs."""
     longest = max(len(ids) for ids in load_tokenizer(models[0])(BATCH_PROMPTS).input_ids)
-    weights = sum((path / "weights.npz").stat().st_size for path in models)
+    weights = sum((path / "weights.safetensors").stat().st_size for path in models)
     row = sum(main_module.runtime_bytes(path, longest, MAX_TOKENS) for path in models)
     monkeypatch.setattr(main_module, "available_memory", lambda: weights + 2 * row + row // 2)
     (tmp_path / "prompts.txt").write_text(PROMPTS_FILE)
@@ -1092,7 +1092,7 @@ def test_too_many_tokens_names_max_tokens_and_what_fits(models, monkeypatch, cap
     largest = int(fits[1])
     assert largest >= MAX_TOKENS  # the run the memory was measured for fits
     per_row = [main_module.runtime_bytes(path, prompt_tokens, largest + 300) for path in models]
-    weights = sum((path / "weights.npz").stat().st_size for path in models)
+    weights = sum((path / "weights.safetensors").stat().st_size for path in models)
     assert weights + sum(per_row) > needed  # a cache chunk more does not
     assert "4-bit" not in line
 

@@ -312,7 +312,7 @@ def test_draft_with_another_tokenizer_is_refused(converted_pair, tmp_path):
     other = tmp_path / "other-draft"
     shutil.copytree(draft_dir, other)
     for file in other.iterdir():
-        if file.name not in ("config.json", "weights.npz"):
+        if file.name not in ("config.json", "weights.safetensors"):
             file.unlink()
     train_tokenizer(other, vocab_size=150)
     with pytest.raises(IncompatibleDraftError) as error:

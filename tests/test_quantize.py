@@ -37,10 +37,10 @@ PARITY_TOLERANCE = 1e-4
 
 def dequantized_twin(directory: Path) -> T5:
     """A float64 T5 (no quantized layer) whose weights are ``mx.dequantize`` of
-    the quantized tensors in ``directory/weights.npz``, the others as they are."""
+    the quantized tensors in ``directory/weights.safetensors``, the others as they are."""
     args = load_config(directory)
     settings = args.quantization
-    weights = mx.load(str(directory / "weights.npz"))
+    weights = mx.load(str(directory / "weights.safetensors"))
     float_weights = {}
     for name, weight in weights.items():
         layer, part = name.rsplit(".", 1)
@@ -152,7 +152,11 @@ def test_projections_and_embedding_are_quantized_norms_and_position_biases_not(n
     expected = expected_quantized_layers(model.args)
     assert quantized_modules(model) == expected
     assert len(expected) == (38 if "gated" in name else 33)
-    scaled = {n.removesuffix(".scales") for n in mx.load(str(out / "weights.npz")) if "scales" in n}
+    scaled = {
+        n.removesuffix(".scales")
+        for n in mx.load(str(out / "weights.safetensors"))
+        if "scales" in n
+    }
     assert scaled == expected
     # The tied output projection is the quantized embedding itself.
     assert hasattr(model, "lm_head") is ("gated" in name)
@@ -476,7 +480,7 @@ def test_quantized_conversion_memory_is_bounded(weights_format, tmp_path, tokeni
     baseline, peak = memory["baseline"], memory["peak"]
     input_size = sum(4 * int(np.prod(shape)) for shape in shapes.values())
     largest = max(4 * int(np.prod(shape)) for shape in shapes.values())
-    output = (out / "weights.npz").stat().st_size
+    output = (out / "weights.safetensors").stat().st_size
     bound = output + 4 * largest
     print(
         f"\nconversion of {input_size / 1e9:.2f} GB float32 {weights_format} to 4 bits: "
