@@ -45,10 +45,15 @@ computes tiny products itself, streams products over up to 128 rows through
 each weight once, where it lies, on OpenBLAS's threads (with AVX-512; else
 one ``cblas_sgemv`` per row, up to 2), pads other few-row products to a
 multiple of 8 rows, and passes everything else to OpenBLAS.
-With a C compiler (``$CC``, else ``cc``), it is compiled for this CPU into a
-private temporary directory (about 0.1 s), loaded with ``RTLD_GLOBAL`` just
-before the OpenBLAS, so that MLX's ``cblas_sgemm`` binds to it, and the
-directory goes. Without a compiler, MLX calls OpenBLAS directly. (MLX itself
+With a C compiler (``$CC``, else ``cc``), it is compiled for this CPU
+(0.8-0.9 s on a Zen 4) into ``$XDG_CACHE_HOME/t5-spec`` (else
+``~/.cache/t5-spec``), under a name made of a hash of the source, the
+compiler, its version and the CPU, so that later processes load it without
+compiling again, as MLX keeps the kernels it compiles; where that directory
+cannot be written, into a private temporary directory that goes once the
+library is loaded. It is loaded with ``RTLD_GLOBAL`` just before the
+OpenBLAS, so that MLX's ``cblas_sgemm`` binds to it. Without a compiler,
+MLX calls OpenBLAS directly. (MLX itself
 compiles its fused CPU kernels with the system's C++ compiler.) Set
 ``T5_SPEC_NO_FEW_ROWS=1`` to skip it.
 
@@ -67,7 +72,9 @@ outcome in one line.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import hashlib
 import os
 import shutil
 import subprocess
@@ -78,6 +85,8 @@ from pathlib import Path
 DISABLE_ENV = "T5_SPEC_NO_BLAS"
 FEW_ROWS_DISABLE_ENV = "T5_SPEC_NO_FEW_ROWS"
 FEW_ROWS_SOURCE = Path(__file__).with_name("few_rows.c")
+FEW_ROWS_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+FEW_ROWS_LIBRARY = "libfew_rows.so"
 # The paths of few_rows.c, in the order of its counters.
 FEW_ROWS_PATHS = ("tiny", "streamed", "padded", "passed on")
 THREADED_PACKAGE = "ngsolve-openblas"
@@ -181,20 +190,7 @@ def _load_few_rows(openblas: ctypes.CDLL) -> None:
         )
         return
     try:
-        with tempfile.TemporaryDirectory(prefix="t5-spec-few-rows-") as directory:
-            library = Path(directory) / "libfew_rows.so"
-            command = [
-                compiler,
-                "-O3",
-                "-march=native",
-                "-fPIC",
-                "-shared",
-                "-o",
-                str(library),
-                str(FEW_ROWS_SOURCE),
-            ]
-            subprocess.run(command, check=True, capture_output=True, timeout=120)
-            few_rows = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+        few_rows = _load_compiled(compiler)
     except (OSError, subprocess.SubprocessError) as error:
         # The compiler's first line of complaint, else the error itself.
         detail = (getattr(error, "stderr", None) or b"").decode(errors="replace").strip()
@@ -209,6 +205,71 @@ def _load_few_rows(openblas: ctypes.CDLL) -> None:
     few_rows.few_rows_use(openblas.cblas_sgemm, openblas.cblas_sgemv, pool, threads)
     _few_rows = few_rows
     _few_rows_status = "; few-row products by few_rows.c"
+
+
+def _cache_directory() -> Path | None:
+    """Where compiled libraries are kept between processes; None without a home."""
+    try:
+        root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    except RuntimeError:  # no home directory to be found
+        return None
+    return Path(root) / "t5-spec"
+
+
+def _cpu_identity() -> bytes:
+    """The first processor's description in /proc/cpuinfo: its model and
+    flags are what ``-march=native`` compiles for."""
+    try:
+        return Path("/proc/cpuinfo").read_bytes().split(b"\n\n")[0]
+    except OSError:
+        return b""
+
+
+def _load_compiled(compiler: str) -> ctypes.CDLL:
+    """``few_rows.c`` compiled with ``compiler`` for this CPU and loaded with
+    ``RTLD_GLOBAL``: from the cache if a process compiled the same source
+    with the same compiler on the same CPU before, else compiled into it."""
+    directory = _cache_directory()
+    if directory is not None:
+        cached = directory / f"few_rows-{_build_key(compiler)}" / FEW_ROWS_LIBRARY
+        if not cached.is_file():
+            try:
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                staging = Path(tempfile.mkdtemp(prefix=".few_rows-", dir=directory))
+            except OSError:  # a cache that cannot be written: as without one
+                directory = None
+            else:
+                try:
+                    _compile(compiler, staging / FEW_ROWS_LIBRARY)
+                    # The whole directory at once: no process sees half a library.
+                    # If another process renamed its own first, this one fails.
+                    with contextlib.suppress(OSError):
+                        staging.rename(cached.parent)
+                finally:
+                    shutil.rmtree(staging, ignore_errors=True)
+        if directory is not None:
+            return ctypes.CDLL(str(cached), mode=ctypes.RTLD_GLOBAL)
+    with tempfile.TemporaryDirectory(prefix="t5-spec-few-rows-") as private:
+        _compile(compiler, Path(private) / FEW_ROWS_LIBRARY)
+        return ctypes.CDLL(str(Path(private) / FEW_ROWS_LIBRARY), mode=ctypes.RTLD_GLOBAL)
+
+
+def _build_key(compiler: str) -> str:
+    """A hash of what the compiled library depends on: the source, the
+    compiler and its version, the flags and the CPU."""
+    version = subprocess.run(
+        [compiler, "--version"], check=False, capture_output=True, timeout=60
+    ).stdout
+    key = hashlib.sha256()
+    for part in (FEW_ROWS_SOURCE.read_bytes(), compiler, FEW_ROWS_FLAGS, version, _cpu_identity()):
+        key.update(repr(part).encode())
+    return key.hexdigest()[:20]
+
+
+def _compile(compiler: str, library: Path) -> None:
+    """Compile ``few_rows.c`` into ``library``; ``CalledProcessError`` on failure."""
+    command = [compiler, *FEW_ROWS_FLAGS, "-o", str(library), str(FEW_ROWS_SOURCE)]
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
 
 
 def _load_runtimes(directory: Path) -> None:
