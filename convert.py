@@ -42,7 +42,7 @@ from cli import (
     read_config,
     written_by_convert,
 )
-from model import T5, ModelArgs, quantizable_layers
+from model import T5, ModelArgs, quantizable_layers, stacked_projections
 
 if TYPE_CHECKING:  # torch is needed only to read .bin weights
     import torch
@@ -514,7 +514,7 @@ def convert(
     check_t5(hf_config)
     tokenizer = read_tokenizer(checkpoint)
 
-    tensors = read_checkpoint(checkpoint)
+    tensors = stacked_projections(read_checkpoint(checkpoint))
     config = model_config(hf_config, "lm_head.weight" in tensors)
     check_shapes(checkpoint, config, tensors)
     config["dtype"] = dtype  # for main.py's memory estimate; loading reads the weights' own

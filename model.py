@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -258,35 +259,74 @@ class BlockMask:
 
 
 class Attention(nn.Module):
-    """Multi-head attention without score scaling; T5 folds it into the weights."""
+    """Multi-head attention without score scaling; T5 folds it into the
+    weights. The queries, keys and values of the subclasses come from their
+    projections; this attends and projects the result back."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.num_heads = args.num_heads
-        inner_dim = args.num_heads * args.d_kv
-        self.query_proj = Linear(args.d_model, inner_dim)
-        self.key_proj = Linear(args.d_model, inner_dim)
-        self.value_proj = Linear(args.d_model, inner_dim)
-        self.out_proj = Linear(inner_dim, args.d_model)
+        self.head_dim = args.d_kv
+        self.out_proj = Linear(args.num_heads * args.d_kv, args.d_model)
 
-    def split_heads(self, x: mx.array) -> mx.array:
-        batch, length, _ = x.shape
-        return x.reshape(batch, length, self.num_heads, -1).transpose(0, 2, 1, 3)
+    def split_heads(self, x: mx.array, batch: int) -> mx.array:
+        """[B, heads, length, d_kv] from ``x`` [B, length, heads * d_kv] or
+        [B * length, heads * d_kv]."""
+        return x.reshape(batch, -1, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
 
-    def keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """Keys and values of ``x``, split into heads: [B, heads, length, d_kv]."""
-        return self.split_heads(self.key_proj(x)), self.split_heads(self.value_proj(x))
-
-    def __call__(
-        self, x: mx.array, keys: mx.array, values: mx.array, mask: mx.array | BlockMask
+    def attend(
+        self, queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array | BlockMask
     ) -> mx.array:
-        queries = self.split_heads(self.query_proj(x))
+        """The output [B, length, d_model] for [B, heads, length, d_kv] ``queries``."""
         if isinstance(mask, BlockMask):
             out = mask.attend(queries, keys, values)
         else:
             out = attention(queries, keys, values, mask)
         batch, _, length, _ = out.shape
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+class SelfAttention(Attention):
+    """Attention of a sequence over itself. Its queries, keys and values
+    come from one product with the three projections stacked (``qkv_proj``,
+    [3 * heads * d_kv, d_model]): one weight read instead of three and a
+    third of the graph nodes, which made a decoder pass of the benchmark
+    pair's main model 0.9x the time at 1 and 8 rows (docs/benchmarks.md)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.qkv_proj = Linear(args.d_model, 3 * args.num_heads * args.d_kv)
+
+    def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values of ``x`` [B, length, d_model], split
+        into heads: each [B, heads, length, d_kv]."""
+        batch, length, _ = x.shape
+        stacked = self.qkv_proj(x).reshape(batch, length, 3 * self.num_heads, self.head_dim)
+        stacked = stacked.transpose(0, 2, 1, 3)
+        heads = self.num_heads
+        return stacked[:, :heads], stacked[:, heads : 2 * heads], stacked[:, 2 * heads :]
+
+
+class CrossAttention(Attention):
+    """Attention of the decoder over the encoder's output, whose keys and
+    values are computed once per prompt."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        inner_dim = args.num_heads * args.d_kv
+        self.query_proj = Linear(args.d_model, inner_dim)
+        self.key_proj = Linear(args.d_model, inner_dim)
+        self.value_proj = Linear(args.d_model, inner_dim)
+
+    def keys_values(self, memory: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys and values of ``memory`` [B, length, d_model], split into
+        heads: [B, heads, length, d_kv]."""
+        batch = memory.shape[0]
+        keys, values = self.key_proj(memory), self.value_proj(memory)
+        return self.split_heads(keys, batch), self.split_heads(values, batch)
+
+    def __call__(self, x: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
+        return self.attend(self.split_heads(self.query_proj(x), x.shape[0]), keys, values, mask)
 
 
 class FeedForward(nn.Module):
@@ -327,13 +367,14 @@ class EncoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.self_attn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
-        self.self_attn = Attention(args)
+        self.self_attn = SelfAttention(args)
         self.ff_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
         self.ff = FeedForward(args)
 
-    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | BlockMask) -> mx.array:
         y = self.self_attn_norm(x)
-        x = clamp_float16(x + self.self_attn(y, *self.self_attn.keys_values(y), mask))
+        queries, keys, values = self.self_attn.queries_keys_values(y)
+        x = clamp_float16(x + self.self_attn.attend(queries, keys, values, mask))
         return clamp_float16(x + self.ff(self.ff_norm(x)))
 
 
@@ -646,9 +687,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.self_attn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
-        self.self_attn = Attention(args)
+        self.self_attn = SelfAttention(args)
         self.cross_attn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
-        self.cross_attn = Attention(args)
+        self.cross_attn = CrossAttention(args)
         self.ff_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
         self.ff = FeedForward(args)
 
@@ -661,8 +702,9 @@ class DecoderLayer(nn.Module):
         memory_mask: mx.array,
     ) -> mx.array:
         y = self.self_attn_norm(x)
-        keys, values = cache.update_and_fetch(*self.self_attn.keys_values(y))
-        x = clamp_float16(x + self.self_attn(y, keys, values, self_mask))
+        queries, keys, values = self.self_attn.queries_keys_values(y)
+        keys, values = cache.update_and_fetch(keys, values)
+        x = clamp_float16(x + self.self_attn.attend(queries, keys, values, self_mask))
         y = self.cross_attn_norm(x)
         x = clamp_float16(x + self.cross_attn(y, *cross_keys_values, memory_mask))
         return clamp_float16(x + self.ff(self.ff_norm(x)))
@@ -841,6 +883,28 @@ def parameter_bytes(args: ModelArgs, dtype: mx.Dtype, quantization: dict | None 
     return sum(parameter.nbytes for _, parameter in tree_flatten(model.parameters()))
 
 
+# A self-attention's projections, in the order SelfAttention.qkv_proj stacks them.
+STACKED_PROJECTIONS = ("query_proj", "key_proj", "value_proj")
+
+
+def stacked_projections(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """``weights`` (by parameter name) with each self-attention's query, key
+    and value projections stacked into its ``qkv_proj`` (see
+    ``SelfAttention``), as convert.py writes them; lazily. A quantized
+    layer's weight, scales and biases are stacked alike: its groups lie
+    along the inputs, so each output row keeps its own."""
+    stacked = dict(weights)
+    pattern = re.compile(r"(.+\.self_attn)\.query_proj\.(weight|scales|biases)")
+    for name in weights:
+        if match := pattern.fullmatch(name):
+            layer, kind = match.groups()
+            names = [f"{layer}.{projection}.{kind}" for projection in STACKED_PROJECTIONS]
+            if all(name in stacked for name in names):  # else loading says what is missing
+                parts = [stacked.pop(name) for name in names]
+                stacked[f"{layer}.qkv_proj.{kind}"] = mx.concatenate(parts, axis=0)
+    return stacked
+
+
 def weights_file(path: str | Path) -> Path:
     """The weights of the converted model at ``path``: its ``WEIGHTS_FILE``
     (safetensors), or the ``LEGACY_WEIGHTS_FILE`` (.npz) of an earlier
@@ -997,6 +1061,8 @@ def load_model(path: str | Path) -> T5:
         )
     try:
         weights = mx.load(str(file))
+        if file.name == LEGACY_WEIGHTS_FILE:
+            weights = stacked_projections(weights)
         model = T5(args)
         if args.quantization:
             # The layers convert.py quantized are those whose weights have scales.

@@ -27,7 +27,14 @@ from transformers import AutoTokenizer
 import convert
 from cli import LEGACY_WEIGHTS_FILE, WEIGHTS_FILE, is_converted, written_by_convert
 from decoder import load_tokenizer
-from model import ModelArgs, load_config, load_model, parameter_bytes
+from model import (
+    STACKED_PROJECTIONS,
+    ModelArgs,
+    load_config,
+    load_model,
+    parameter_bytes,
+    stacked_projections,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERT_PY = ROOT / "convert.py"
@@ -344,9 +351,15 @@ def test_pytorch_bin_formats_and_types(legacy, dtype, tmp_path, hf_checkpoint, c
     expected = "pytorch_model.bin is in PyTorch's legacy format, which cannot be memory-mapped: "
     assert notes == ([f"{expected}it is loaded whole, about {size} of memory"] if legacy else [])
     weights = read_weights(out)
-    for hf_name, tensor in tensors.items():
-        if convert.mlx_name(hf_name) is not None:
-            np.testing.assert_array_equal(weights[convert.mlx_name(hf_name)], tensor.float())
+    expected = {
+        convert.mlx_name(hf_name): mx.array(tensor.float().numpy())
+        for hf_name, tensor in tensors.items()
+        if convert.mlx_name(hf_name) is not None
+    }
+    expected = stacked_projections(expected)
+    assert sorted(weights) == sorted(expected)
+    for name, tensor in expected.items():
+        np.testing.assert_array_equal(weights[name], np.array(tensor), err_msg=name)
     assert sorted(checkpoint.iterdir()) == files
 
 
@@ -950,9 +963,17 @@ def test_parameter_bytes_match_the_converted_files(
 
 def earlier_conversion(directory: Path, out: Path) -> Path:
     """A copy of the converted ``directory`` as earlier versions wrote it:
-    the same weights in weights.npz."""
+    the same weights in weights.npz, each self-attention's query, key and
+    value projections apart."""
     shutil.copytree(directory, out)
-    mx.savez(str(out / LEGACY_WEIGHTS_FILE), **mx.load(str(out / WEIGHTS_FILE)))
+    weights = {}
+    for name, array in mx.load(str(out / WEIGHTS_FILE)).items():
+        if ".qkv_proj." in name:
+            for projection, part in zip(STACKED_PROJECTIONS, mx.split(array, 3)):
+                weights[name.replace("qkv_proj", projection)] = part
+        else:
+            weights[name] = array
+    mx.savez(str(out / LEGACY_WEIGHTS_FILE), **weights)
     (out / WEIGHTS_FILE).unlink()
     return out
 
@@ -974,10 +995,13 @@ def test_a_script_that_loads_a_model_and_ends_exits_cleanly(converted):
     assert [run.returncode for run in runs] == [0] * 8, runs[-1].stderr[-300:]
 
 
-def test_an_earlier_conversion_loads_with_a_note(converted, tmp_path, capsys):
-    """A directory converted by an earlier version (weights.npz) still loads,
-    to the same weights, with a one-line note to convert it again."""
-    path = converted("relu_tied")
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "4-bit"])
+def test_an_earlier_conversion_loads_with_a_note(bits, converted, quantized, tmp_path, capsys):
+    """A directory converted by an earlier version (weights.npz, the
+    self-attention projections apart) still loads, to the same weights,
+    with a one-line note to convert it again; quantized too (weights,
+    scales and biases stacked alike)."""
+    path = converted("relu_tied") if bits is None else quantized("relu_tied", bits)
     earlier = earlier_conversion(path, tmp_path / "earlier")
     assert is_converted(earlier) and written_by_convert(earlier)
     capsys.readouterr()

@@ -90,7 +90,10 @@ def expected_quantized_layers(args: ModelArgs) -> set[str]:
     """Every attention and feed-forward projection, ``shared`` and ``lm_head``
     (when untied), spelled out from the configuration."""
     ff = ["wi_0", "wi_1", "wo"] if args.feed_forward_proj.startswith("gated-") else ["wi", "wo"]
-    projections = ["query_proj", "key_proj", "value_proj", "out_proj"]
+    projections = {
+        "self_attn": ["qkv_proj", "out_proj"],
+        "cross_attn": ["query_proj", "key_proj", "value_proj", "out_proj"],
+    }
     layers = {"shared"} | ({"lm_head"} if not args.tie_word_embeddings else set())
     for stack, count, attentions in (
         ("encoder", args.num_layers, ["self_attn"]),
@@ -98,7 +101,7 @@ def expected_quantized_layers(args: ModelArgs) -> set[str]:
     ):
         for i in range(count):
             prefix = f"{stack}.layers.{i}"
-            layers |= {f"{prefix}.{a}.{p}" for a in attentions for p in projections}
+            layers |= {f"{prefix}.{a}.{p}" for a in attentions for p in projections[a]}
             layers |= {f"{prefix}.ff.{name}" for name in ff}
     return layers
 
@@ -151,7 +154,10 @@ def test_projections_and_embedding_are_quantized_norms_and_position_biases_not(n
     model = load_model(out)
     expected = expected_quantized_layers(model.args)
     assert quantized_modules(model) == expected
-    assert len(expected) == (38 if "gated" in name else 33)
+    # 2 + 2 layers: 4 self-attentions (qkv, out), 2 cross (query, key, value,
+    # out), 4 feed-forward blocks (wi or wi_0 and wi_1, wo), the embedding and,
+    # untied (the gated checkpoints), lm_head.
+    assert len(expected) == (30 if "gated" in name else 25)
     scaled = {
         n.removesuffix(".scales")
         for n in mx.load(str(out / "weights.safetensors"))
