@@ -289,9 +289,9 @@ class Attention(nn.Module):
 class SelfAttention(Attention):
     """Attention of a sequence over itself. Its queries, keys and values
     come from one product with the three projections stacked (``qkv_proj``,
-    [3 * heads * d_kv, d_model]): one weight read instead of three and a
-    third of the graph nodes, which made a decoder pass of the benchmark
-    pair's main model 0.9x the time at 1 and 8 rows (docs/benchmarks.md)."""
+    [3 * heads * d_kv, d_model]): one weight read and one product instead
+    of three, which made a decoder pass of the benchmark pair's main model
+    0.93x the time at 1 row and 0.94x at 8 (docs/benchmarks.md)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
