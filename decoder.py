@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -105,14 +106,29 @@ class GenerationResult:
         return len(self.tokens) / self.generation_time if self.generation_time > 0 else 0.0
 
 
+# Tokenizer classes that T5TokenizerFast loads as AutoTokenizer would (from
+# tokenizer.json): T5 and mT5 save these.
+T5_TOKENIZERS = ("T5Tokenizer", "T5TokenizerFast")
+
+
 def load_tokenizer(path: str | Path):
     """The Hugging Face tokenizer saved beside a converted model."""
-    from transformers import AutoTokenizer
-
     # Without its files, transformers would quietly build a default T5
     # tokenizer from config.json and every word would become <unk>.
     if not any((Path(path) / name).is_file() for name in ("tokenizer.json", "spiece.model")):
         raise FileNotFoundError(f"{path} has no tokenizer; convert the model again with convert.py")
+    try:
+        config = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if config.get("tokenizer_class") in T5_TOKENIZERS and (Path(path) / "tokenizer.json").is_file():
+        # Importing AutoTokenizer took 1.95 s here, T5TokenizerFast 0.89 s:
+        # main.py with one prompt took 2.6 s in all instead of 4.3-4.5.
+        from transformers import T5TokenizerFast
+
+        return T5TokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 

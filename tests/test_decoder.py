@@ -2,6 +2,7 @@
 acceptance rules, delta, max_tokens, EOS and draft compatibility."""
 
 import dataclasses
+import json
 import shutil
 
 import mlx.core as mx
@@ -15,6 +16,7 @@ from decoder import (
     SpeculativeDecoder,
     check_draft_compatible,
     check_draft_directories,
+    load_tokenizer,
 )
 from drafting import trim_to
 from sampling import Sampling, verify
@@ -319,6 +321,37 @@ def test_draft_with_another_tokenizer_is_refused(converted_pair, tmp_path):
         check_draft_directories(main_dir, other)
     assert str(main_dir) in str(error.value) and str(other) in str(error.value)
     assert "tokenizer" in str(error.value)
+
+
+@pytest.mark.parametrize("tokenizer_class", ["T5Tokenizer", "PreTrainedTokenizerFast"])
+def test_the_tokenizer_is_the_one_auto_tokenizer_loads(
+    tokenizer_class, converted, tmp_path, monkeypatch
+):
+    """T5's tokenizer class is loaded without AutoTokenizer (whose import
+    cost a second of every start), to the tokenizer AutoTokenizer gives: same
+    class, vocabulary, special tokens, ids and text. Another class named in
+    tokenizer_config.json goes through AutoTokenizer."""
+    import transformers
+
+    directory = tmp_path / "model"
+    shutil.copytree(converted("relu_tied"), directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": tokenizer_class})
+    )
+    auto = transformers.AutoTokenizer.from_pretrained(str(directory))
+    if tokenizer_class == "T5Tokenizer":
+        monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", None)
+    ours = load_tokenizer(directory)
+    assert type(ours) is type(auto)
+    assert ours.get_vocab() == auto.get_vocab()
+    assert ours.all_special_ids == auto.all_special_ids and ours.eos_token_id == auto.eos_token_id
+    texts = ["translate English to German: the old bridge", "a, b; c - d!  e\nf </s>"]
+    assert ours(texts).input_ids == auto(texts).input_ids
+    ids = auto(texts).input_ids
+    assert ours.batch_decode(ids, skip_special_tokens=True) == auto.batch_decode(
+        ids, skip_special_tokens=True
+    )
 
 
 def test_tokenizer_difference_counts_each_entry_once(decoding_pair):
