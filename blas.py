@@ -207,13 +207,25 @@ def _load_few_rows(openblas: ctypes.CDLL) -> None:
     _few_rows_status = "; few-row products by few_rows.c"
 
 
-def _cache_directory() -> Path | None:
-    """Where compiled libraries are kept between processes; None without a home."""
+def cache_directory() -> Path | None:
+    """Where what is compiled or timed once per machine is kept between
+    processes; None without a home."""
     try:
         root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     except RuntimeError:  # no home directory to be found
         return None
     return Path(root) / "t5-spec"
+
+
+def machine_key() -> str:
+    """A hash of what decides how fast a product runs here: the CPU, the
+    BLAS MLX calls and its thread count, few_rows.c's build and MLX's
+    version. It names timings kept in the cache (``model.store_for_cpu``)."""
+    import importlib.metadata
+
+    few_rows = _few_rows._name if _few_rows is not None else None
+    parts = (_cpu_identity(), status(), num_threads(), few_rows, importlib.metadata.version("mlx"))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
 def _cpu_identity() -> bytes:
@@ -229,7 +241,7 @@ def _load_compiled(compiler: str) -> ctypes.CDLL:
     """``few_rows.c`` compiled with ``compiler`` for this CPU and loaded with
     ``RTLD_GLOBAL``: from the cache if a process compiled the same source
     with the same compiler on the same CPU before, else compiled into it."""
-    directory = _cache_directory()
+    directory = cache_directory()
     if directory is not None:
         cached = directory / f"few_rows-{_build_key(compiler)}" / FEW_ROWS_LIBRARY
         if not cached.is_file():

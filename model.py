@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -21,7 +23,7 @@ from pathlib import Path
 
 # First, so that importing this module (or decoder) from Python gets the fast
 # BLAS on Linux too: MLX binds to an optimized BLAS only if it is loaded before mlx.
-import blas  # noqa: F401  # isort: skip
+import blas  # isort: skip
 import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
@@ -997,6 +999,51 @@ def form_times(
     return totals
 
 
+# The forms store_for_cpu chose, by blas.machine_key, shape, type and forms
+# timed, in blas.cache_directory(): timing them took 0.75 s of the 0.98 s
+# that loading the benchmark pair's main model took.
+FORMS_FILE = "forms.json"
+
+
+def chosen_form(shape: tuple[int, int], dtype: mx.Dtype, forms: Sequence[str]) -> str:
+    """``fastest_form`` of ``form_times`` for a weight of ``shape``: timed
+    once per machine and remembered in the cache (when it can be written),
+    so that later loads take the same form at once."""
+    directory = blas.cache_directory()
+    key = f"{blas.machine_key()} {shape[0]}x{shape[1]} {dtype} {'/'.join(forms)}"
+    chosen = read_forms(directory)
+    if key not in chosen:
+        chosen[key] = fastest_form(form_times(shape, dtype, forms))
+        if directory is not None:
+            write_forms(directory, {**read_forms(directory), key: chosen[key]})
+    return chosen[key]
+
+
+def read_forms(directory: Path | None) -> dict[str, str]:
+    """The forms remembered in ``directory``; none if it holds no readable file."""
+    try:
+        forms = json.loads((directory / FORMS_FILE).read_text())
+    except (TypeError, OSError, ValueError):  # no directory, no file, a broken one
+        return {}
+    return forms if isinstance(forms, dict) else {}
+
+
+def write_forms(directory: Path, forms: dict[str, str]) -> None:
+    """Replace ``directory``'s forms file with ``forms`` whole, or leave it
+    as it is if it cannot be written."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        descriptor, staging = tempfile.mkstemp(suffix=".tmp", dir=directory)
+    except OSError:
+        return
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            json.dump(forms, file, indent=0)
+        os.replace(staging, directory / FORMS_FILE)
+    except OSError:
+        os.unlink(staging)
+
+
 def store_for_cpu(model: T5) -> None:
     """Choose, for each shape of float32 weight in ``model``, the form of
     ``x W^T`` that this CPU computes fastest (``PRODUCT_FORMS``, timed by
@@ -1006,7 +1053,7 @@ def store_for_cpu(model: T5) -> None:
     OpenBLAS sums in, so every form computes the same function within
     round-off. In place, one weight at a time: memory grows by one weight
     while laying out, by twice ``TIMED_FORM_BYTES`` (or two weights) while
-    timing.
+    timing. Each shape is timed once per machine (``chosen_form``).
 
     Half-precision products are not OpenBLAS's: they keep the plain form."""
     by_shape = {}
@@ -1018,13 +1065,13 @@ def store_for_cpu(model: T5) -> None:
         weight = modules[0].weight
         if weight.size < TIMED_FORM_MIN_SIZE:
             continue
-        form = fastest_form(form_times(weight.shape, weight.dtype, PRODUCT_FORMS))
+        form = chosen_form(weight.shape, weight.dtype, PRODUCT_FORMS)
         for module in modules:
             use_form(module, form)
     weight = model.shared.weight
     timed = tied and weight.dtype == mx.float32 and weight.size >= TIMED_FORM_MIN_SIZE
     forms = ("plain", "transposed")
-    if timed and fastest_form(form_times(weight.shape, weight.dtype, forms)) == "transposed":
+    if timed and chosen_form(weight.shape, weight.dtype, forms) == "transposed":
         model.shared.weight = transposed_in_memory(weight)
 
 

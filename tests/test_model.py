@@ -145,7 +145,7 @@ def test_the_fastest_form_must_save_a_tenth_over_the_plain_one():
     assert fastest({"plain": 1.0, "transposed": 1.3}) == "plain"
 
 
-def test_load_model_lays_out_each_shape_in_the_form_timed_fastest(converted, monkeypatch):
+def test_load_model_lays_out_each_shape_in_the_form_timed_fastest(converted, monkeypatch, tmp_path):
     """load_model gives every float32 weight of a shape the form form_times
     found fastest for that shape (here faked: wide weights transposed, the
     others streamed), and the tied embedding, the output projection, its
@@ -155,6 +155,7 @@ def test_load_model_lays_out_each_shape_in_the_form_timed_fastest(converted, mon
         best = "transposed" if shape[0] > shape[1] else "streaming"
         return {form: 0.5 if form == best else 1.0 for form in forms}
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # fake timings stay in the test
     monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
     monkeypatch.setattr(model_module, "form_times", fake_times)
     model = load_model(converted("relu_tied"))
@@ -166,6 +167,34 @@ def test_load_model_lays_out_each_shape_in_the_form_timed_fastest(converted, mon
     half = load_model(converted("relu_tied", "float16"))
     assert all(row_major(m.weight) and not m.streaming for m in linears(half))
     assert row_major(half.shared.weight)
+
+
+@pytest.mark.parametrize("writable", [True, False], ids=["cache", "unwritable cache"])
+def test_forms_are_timed_once_per_machine(writable, converted, monkeypatch, tmp_path):
+    """The forms store_for_cpu times are remembered in the cache: a second
+    load times nothing and takes the same forms. Where the cache cannot be
+    written (XDG_CACHE_HOME a file), every load times them, and the file
+    stays as it was."""
+    timed = []
+
+    def fake_times(shape, dtype, forms):
+        timed.append(shape)
+        best = "transposed" if shape[0] > shape[1] else "streaming"
+        return {form: 0.5 if form == best else 1.0 for form in forms}
+
+    cache = tmp_path / "cache"
+    if not writable:
+        cache.write_text("mine")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
+    monkeypatch.setattr(model_module, "form_times", fake_times)
+    loads = [load_model(converted("relu_tied")) for _ in range(2)]
+    shapes = {module.weight.shape for module in linears(loads[0])} | {loads[0].shared.weight.shape}
+    assert len(timed) == len(shapes) * (1 if writable else 2)
+    layouts = [[(row_major(m.weight), m.streaming) for m in linears(model)] for model in loads]
+    assert layouts[0] == layouts[1]
+    if not writable:
+        assert cache.read_text() == "mine"
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
