@@ -219,12 +219,15 @@ def cache_directory() -> Path | None:
 
 def machine_key() -> str:
     """A hash of what decides how fast a product runs here: the CPU, the
-    BLAS MLX calls and its thread count, few_rows.c's build and MLX's
-    version. It names timings kept in the cache (``model.store_for_cpu``)."""
+    BLAS MLX calls, its thread count and kernels (``OPENBLAS_CORETYPE``),
+    few_rows.c's build and MLX's version. It names timings kept in the
+    cache (``model.store_for_cpu``)."""
     import importlib.metadata
 
     few_rows = _few_rows._name if _few_rows is not None else None
-    parts = (_cpu_identity(), status(), num_threads(), few_rows, importlib.metadata.version("mlx"))
+    kernels = os.environ.get("OPENBLAS_CORETYPE")
+    mlx_version = importlib.metadata.version("mlx")
+    parts = (_cpu_identity(), status(), num_threads(), kernels, few_rows, mlx_version)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
