@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -217,6 +218,7 @@ def cache_directory() -> Path | None:
     return Path(root) / "t5-spec"
 
 
+@functools.cache  # fixed once blas has loaded: one hash per process, not per weight shape
 def machine_key() -> str:
     """A hash of what decides how fast a product runs here: the CPU, the
     BLAS MLX calls, its thread count and kernels (``OPENBLAS_CORETYPE``),

@@ -271,11 +271,6 @@ class Attention(nn.Module):
         self.head_dim = args.d_kv
         self.out_proj = Linear(args.num_heads * args.d_kv, args.d_model)
 
-    def split_heads(self, x: mx.array, batch: int) -> mx.array:
-        """[B, heads, length, d_kv] from ``x`` [B, length, heads * d_kv] or
-        [B * length, heads * d_kv]."""
-        return x.reshape(batch, -1, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-
     def attend(
         self, queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array | BlockMask
     ) -> mx.array:
@@ -320,15 +315,18 @@ class CrossAttention(Attention):
         self.key_proj = Linear(args.d_model, inner_dim)
         self.value_proj = Linear(args.d_model, inner_dim)
 
+    def split_heads(self, x: mx.array) -> mx.array:
+        """[B, heads, length, d_kv] from ``x`` [B, length, heads * d_kv]."""
+        batch, length, _ = x.shape
+        return x.reshape(batch, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+
     def keys_values(self, memory: mx.array) -> tuple[mx.array, mx.array]:
         """Keys and values of ``memory`` [B, length, d_model], split into
         heads: [B, heads, length, d_kv]."""
-        batch = memory.shape[0]
-        keys, values = self.key_proj(memory), self.value_proj(memory)
-        return self.split_heads(keys, batch), self.split_heads(values, batch)
+        return self.split_heads(self.key_proj(memory)), self.split_heads(self.value_proj(memory))
 
     def __call__(self, x: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
-        return self.attend(self.split_heads(self.query_proj(x), x.shape[0]), keys, values, mask)
+        return self.attend(self.split_heads(self.query_proj(x)), keys, values, mask)
 
 
 class FeedForward(nn.Module):
