@@ -55,6 +55,9 @@ PRIOR_WEIGHT = 4
 # and a batch of 32 that took 8 rows' timings drafted where it did not pay.
 NEAREST_ROWS_RATIO = 1.5
 DRAFT_SOURCES = ("model", "lookup")
+# After a drafted round the draft model's cache lacks at most this many of
+# a row's tokens: the last draft token and the main model's own.
+STEADY_CATCH_UP = 2
 
 
 @dataclass
@@ -65,6 +68,9 @@ class Draft:
     probs: mx.array | None  # [B, g, vocabulary], zero past each row's length; None when greedy
     lengths: list[int]  # per row: tokens proposed (<= g)
     sources: list[str]  # per row: whose acceptance estimate the round updates
+    # Tokens the draft model's cache caught up on before drafting (the most
+    # of any row): 2 at most after a drafted round, more after plain ones.
+    caught_up: int = 0
 
     @classmethod
     def empty(cls, batch_size: int) -> Draft:
@@ -165,7 +171,8 @@ class ModelDrafter:
             self.cache = self.model.prompt_cache(self.prompts)
             self.prompts = []
             self.encoding_time += time.perf_counter() - tic
-        logits = decode_pending(self.model, self.cache, trim_to(self.cache, sequences))
+        pending = trim_to(self.cache, sequences)
+        logits = decode_pending(self.model, self.cache, pending)
         tokens, probs = [], []
         for step in range(num_draft):
             step_keys = None
@@ -182,7 +189,10 @@ class ModelDrafter:
         self.fed = num_draft - 1
         lengths = [min(num_draft, limit) for limit in limits]
         draft_probs = None if sampling.greedy else mx.stack(probs, axis=1)
-        draft = Draft(mx.stack(tokens, axis=1), draft_probs, lengths, [self.source] * len(limits))
+        sources = [self.source] * len(limits)
+        draft = Draft(
+            mx.stack(tokens, axis=1), draft_probs, lengths, sources, max(map(len, pending))
+        )
         return mask_past_lengths(draft)
 
     def withdraw(self, rows: list[bool]) -> None:
@@ -413,6 +423,7 @@ def merge_drafts(first: Draft, second: Draft, use_first: list[bool]) -> Draft:
         probs,
         [a if use else b for a, b, use in zip(first.lengths, second.lengths, use_first)],
         [a if use else b for a, b, use in zip(first.sources, second.sources, use_first)],
+        max(first.caught_up, second.caught_up),
     )
 
 
@@ -533,7 +544,8 @@ class DraftLength:
     that an unlucky start made look poor (or a draft that stopped paying
     for itself, at g = 0) would never be drafted, and so never corrected,
     again. It does so while a longer draft would pay were the next
-    PROBE_OPTIMISM tokens tested at each position accepted; once the tests
+    PROBE_OPTIMISM tokens tested at each position accepted (spread over a
+    batch's rows: see ``rates``); once the tests
     leave no such hope (or the rounds' costs leave none, as at 32 rows of
     the benchmark pair), only every HOPELESS_PROBE_EVERY rounds. When it
     drafts, every other such round is a plain step instead, starting with
@@ -579,26 +591,40 @@ class DraftLength:
         a row alone has the generation's rates."""
         if self.num_draft != "auto":
             return self.num_draft
-        accepted, tested = self.counts[source]
-        if rows:
-            row_accepted, row_tested = np.stack([row[source] for row in rows], axis=1)
-            others = (accepted - row_accepted) / (tested - row_tested)
-            accepted = row_accepted + others * PRIOR_WEIGHT
-            tested = row_tested + PRIOR_WEIGHT
         costs = self.times.costs(source, self.round_costs[source], batch_size)
-        num_draft = best_num_draft(accepted / tested, costs)
+        num_draft = best_num_draft(self.rates(source, rows), costs)
         self.rounds[source] += 1
         if self.rounds[source] % PROBE_EVERY:
             return num_draft
         if num_draft > 0 and self.rounds[source] % (2 * PROBE_EVERY) == PROBE_EVERY:
             return 0
-        hopeful = (accepted + PROBE_OPTIMISM) / (tested + PROBE_OPTIMISM)
+        hopeful = self.rates(source, rows, luck=PROBE_OPTIMISM)
         if (
             best_num_draft(hopeful, costs) > num_draft
             or self.rounds[source] % HOPELESS_PROBE_EVERY == 0
         ):
             return min(num_draft + 1, MAX_AUTO_DRAFT)
         return num_draft
+
+    def rates(
+        self, source: str, rows: list[dict[str, np.ndarray]] | None = None, luck: int = 0
+    ) -> np.ndarray:
+        """The acceptance rate at each draft position of ``source``: the
+        generation's, or one row of them for each of ``rows`` (see
+        ``choose``). With ``luck``, as if the next ``luck`` tokens tested at
+        each position were accepted, spread over the rows: a batch's probe
+        tests a token in every row, and a row of many, each just joined
+        with its 4-token prior from the others, would otherwise make a
+        large batch hopeful all the time."""
+        accepted, tested = self.counts[source]
+        if not rows:
+            return (accepted + luck) / (tested + luck)
+        row_accepted, row_tested = np.stack([row[source] for row in rows], axis=1)
+        others = (accepted - row_accepted) / (tested - row_tested)
+        row_luck = luck / len(rows)
+        return (row_accepted + others * PRIOR_WEIGHT + row_luck) / (
+            row_tested + PRIOR_WEIGHT + row_luck
+        )
 
     def update(
         self,
@@ -619,7 +645,10 @@ class DraftLength:
 
     def timed(self, draft: Draft, seconds: float) -> None:
         """A round that drafted ``draft`` took ``seconds``, from its drafting
-        to its results (recorded for "auto" only)."""
-        if self.num_draft == "auto":
+        to its results (recorded for "auto" only). Not when the draft model
+        first caught up on the tokens of plain steps (more than
+        ``STEADY_CATCH_UP`` in a row): that is paid once per return to
+        drafting, not by every drafted round."""
+        if self.num_draft == "auto" and draft.caught_up <= STEADY_CATCH_UP:
             batch_size = len(draft.lengths)
             self.times.record(round_source(draft), max(draft.lengths), batch_size, seconds)

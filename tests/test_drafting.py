@@ -12,6 +12,7 @@ from drafting import (
     HOPELESS_PROBE_EVERY,
     MAX_AUTO_DRAFT,
     PROBE_EVERY,
+    STEADY_CATCH_UP,
     TIMED_ROUNDS,
     Draft,
     DraftLength,
@@ -179,6 +180,26 @@ def test_auto_recovers_a_position_an_unlucky_start_made_look_poor(rejections, ro
     assert length.choose("model") > 2
 
 
+def test_prompts_joining_a_batch_share_the_probes_luck():
+    # A round of one draft token costs 1.3 plain steps; the generation
+    # accepted 0.1 of its first draft tokens: no drafting, and no hope left.
+    length = accepting(DraftLength("auto", auto_costs(0.3)), 0.1)
+    old = acceptance_counts()
+    length.update("model", 0, 1, old)
+    # Three prompts just joined: nothing of their own tested. The 4 lucky
+    # tokens spread over the 4 rows (0.28 for a new row): 1.27 tokens for 1.3.
+    rows = [old] + [acceptance_counts() for _ in range(3)]
+    choices = [length.choose("model", 4, rows) for _ in range(2 * PROBE_EVERY)]
+    # Luck added to each row (0.55 for a new one: 1.54 tokens) would have
+    # probed every PROBE_EVERY-th round, at whatever cost.
+    assert choices == [0] * (2 * PROBE_EVERY)
+    # Once those rows agree, they are drafted for again.
+    for row in rows[1:]:
+        for _ in range(20):
+            length.update("model", 1, 1, row)
+    assert length.choose("model", 4, rows) >= 1
+
+
 def test_auto_probes_with_a_plain_step_then_one_token_more():
     length = DraftLength("auto", auto_costs(0.1))  # the prior alone: g = 5
     choices = [length.choose("model") for _ in range(2 * PROBE_EVERY)]
@@ -277,12 +298,36 @@ def test_auto_times_each_round_by_source_draft_length_and_rows(decoding_pair):
         rounds.update(("model", num_draft) for num_draft in result.draft_lengths)
         rounds["plain", 0] += result.n_steps - len(result.draft_lengths)
     # One decoder's generations share their timings, the last TIMED_ROUNDS of
-    # each kind, here all over one row.
+    # each kind, here all over one row: every plain round's, and a drafted
+    # one's unless the draft model first caught up on plain rounds' tokens.
     (times,) = decoder.round_times.values()
     assert list(times.seconds) == [1]
-    assert {kind: len(seconds) for kind, seconds in times.seconds[1].items()} == {
-        kind: min(count, TIMED_ROUNDS) for kind, count in rounds.items()
-    }
+    timed = {kind: len(seconds) for kind, seconds in times.seconds[1].items()}
+    assert timed.pop(("plain", 0)) == min(rounds.pop(("plain", 0)), TIMED_ROUNDS)
+    assert timed.keys() <= rounds.keys()
+    assert all(0 < count <= min(rounds[kind], TIMED_ROUNDS) for kind, count in timed.items())
+
+
+def test_auto_leaves_out_rounds_that_caught_up_on_plain_steps(decoding_pair):
+    model, draft_model, tokenizer = decoding_pair
+    drafter = ModelDrafter(draft_model, [tokenizer(PROMPTS[0]).input_ids])
+    start = model.args.decoder_start_token_id
+    greedy = RowSampling([Sampling()])
+    # The first proposal feeds the start token; after a drafted round whose
+    # two tokens were accepted, the last of them and the main model's own.
+    first = drafter.propose([[start]], greedy, lambda source: 2, [2])
+    assert first.caught_up == 1
+    accepted = [start, *first.tokens[0].tolist(), 9]
+    second = drafter.propose([accepted], greedy, lambda source: 2, [2])
+    assert second.caught_up == STEADY_CATCH_UP == 2
+    # Both accepted again, then two plain steps: two tokens more.
+    accepted += [*second.tokens[0].tolist(), 9, 9, 9]
+    later = drafter.propose([accepted], greedy, lambda source: 2, [2])
+    assert later.caught_up == 4
+    length = DraftLength("auto", auto_costs(0.1))
+    length.timed(first, 0.01)
+    length.timed(later, 0.05)  # left out: its catch-up is paid once, after plain steps
+    assert list(length.times.seconds[1]["model", 2]) == [0.01]
 
 
 def test_auto_weighs_each_row_by_its_own_acceptance():
