@@ -244,31 +244,40 @@ def _cpu_identity() -> bytes:
 
 def _load_compiled(compiler: str) -> ctypes.CDLL:
     """``few_rows.c`` compiled with ``compiler`` for this CPU and loaded with
-    ``RTLD_GLOBAL``: from the cache if a process compiled the same source
-    with the same compiler on the same CPU before, else compiled into it."""
-    directory = cache_directory()
-    if directory is not None:
-        cached = directory / f"few_rows-{_build_key(compiler)}" / FEW_ROWS_LIBRARY
-        if not cached.is_file():
-            try:
-                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-                staging = Path(tempfile.mkdtemp(prefix=".few_rows-", dir=directory))
-            except OSError:  # a cache that cannot be written: as without one
-                directory = None
-            else:
-                try:
-                    _compile(compiler, staging / FEW_ROWS_LIBRARY)
-                    # The whole directory at once: no process sees half a library.
-                    # If another process renamed its own first, this one fails.
-                    with contextlib.suppress(OSError):
-                        staging.rename(cached.parent)
-                finally:
-                    shutil.rmtree(staging, ignore_errors=True)
-        if directory is not None:
-            return ctypes.CDLL(str(cached), mode=ctypes.RTLD_GLOBAL)
+    ``RTLD_GLOBAL``: from the cache (``_cached_build``), else compiled for
+    this process alone."""
+    cached = _cached_build(compiler)
+    if cached is not None:
+        return ctypes.CDLL(str(cached), mode=ctypes.RTLD_GLOBAL)
     with tempfile.TemporaryDirectory(prefix="t5-spec-few-rows-") as private:
         _compile(compiler, Path(private) / FEW_ROWS_LIBRARY)
         return ctypes.CDLL(str(Path(private) / FEW_ROWS_LIBRARY), mode=ctypes.RTLD_GLOBAL)
+
+
+def _cached_build(compiler: str) -> Path | None:
+    """The library in the cache: as a process compiled it before from the
+    same source with the same compiler on the same CPU, else compiled
+    there now; None when the cache cannot be written."""
+    directory = cache_directory()
+    if directory is None:
+        return None
+    cached = directory / f"few_rows-{_build_key(compiler)}" / FEW_ROWS_LIBRARY
+    if cached.is_file():
+        return cached
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".few_rows-", dir=directory))
+    except OSError:
+        return None
+    try:
+        _compile(compiler, staging / FEW_ROWS_LIBRARY)
+        # The whole directory at once: no process sees half a library.
+        # If another process renamed its own first, this one fails.
+        with contextlib.suppress(OSError):
+            staging.rename(cached.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return cached
 
 
 def _build_key(compiler: str) -> str:
