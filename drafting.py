@@ -49,10 +49,13 @@ TIMED_ROUNDS = 9
 # assumes this acceptance rate there, weighted as this many tested tokens.
 PRIOR_ACCEPTANCE = 0.75
 PRIOR_WEIGHT = 4
-# Rounds timed over another number of rows stand in for the batch's own only
-# within this factor of it: a round's cost relative to a plain step grows
-# with the rows (at g = 1 on the benchmark pair, 1.5 at 8 rows, 2.0 at 32),
-# and a batch of 32 that took 8 rows' timings drafted where it did not pay.
+# Rounds timed over more rows stand in for the batch's own only up to this
+# factor of it, and over fewer rows never: a round's cost relative to a plain
+# step grows with the rows (at g = 1 on the benchmark pair, 1.5 at 8 rows,
+# 2.0 at 32), so that fewer rows' timings understate it. A batch of 32 that
+# took 8 rows' timings drafted where it did not pay; one whose rows had
+# dropped to 24 took 16 rows' timings and started drafting in its last
+# rounds, where regular decoding's steps were 25-38 ms and its own 50-66.
 NEAREST_ROWS_RATIO = 1.5
 DRAFT_SOURCES = ("model", "lookup")
 # After a drafted round the draft model's cache lacks at most this many of
@@ -478,8 +481,8 @@ class RoundTimes:
     of real rows pay besides. Rounds compare only at the same number of
     rows: a batch whose prompts are finishing runs faster with every row it
     drops. Rows that no plain and drafted rounds were both timed over (a
-    batch's last rounds, as its prompts finish) take the nearest rows'
-    timings, within ``NEAREST_ROWS_RATIO`` of their number."""
+    batch's last rounds, as its prompts finish) take the timings of the
+    fewest more rows, up to ``NEAREST_ROWS_RATIO`` times their number."""
 
     def __init__(self):
         # Per number of rows, per (source or "plain", draft length): seconds.
@@ -495,8 +498,8 @@ class RoundTimes:
     def costs(self, source: str, calibrated: list[float], batch_size: int) -> list[float]:
         """``calibrated`` round costs of ``source`` (see ``best_num_draft``)
         corrected by the rounds timed over ``batch_size`` rows, or the
-        nearest number of rows (within ``NEAREST_ROWS_RATIO``) that both
-        plain and drafted rounds were timed over: a length timed costs its
+        fewest more rows (up to ``NEAREST_ROWS_RATIO`` times as many) that
+        both plain and drafted rounds were timed over: a length timed costs its
         median over that of plain rounds; the others their calibrated cost
         scaled as the timed lengths were (by the mean of measured over
         calibrated, weighted by rounds timed). Calibrated as they are until
@@ -506,12 +509,11 @@ class RoundTimes:
             for rows, rounds in self.seconds.items()
             if ("plain", 0) in rounds
             and any(kind[0] == source for kind in rounds)
-            and max(rows, batch_size) <= NEAREST_ROWS_RATIO * min(rows, batch_size)
+            and batch_size <= rows <= NEAREST_ROWS_RATIO * batch_size
         ]
         if not timed:
             return calibrated
-        # The nearest number of rows timed (the more of two as near).
-        rounds = self.seconds[min(timed, key=lambda rows: (abs(rows - batch_size), -rows))]
+        rounds = self.seconds[min(timed)]
         plain = statistics.median(rounds["plain", 0])
         measured = {
             num_draft: statistics.median(times) / plain

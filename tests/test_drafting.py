@@ -230,15 +230,16 @@ def test_round_times_correct_the_calibrated_costs():
     assert costs[16] == pytest.approx(2.6 * scale)
     # Lookup rounds were not timed: their calibrated costs stand.
     assert times.costs("lookup", linear_round_costs(0.0), 8) == linear_round_costs(0.0)
-    # Elsewhere, the nearest rows timed (the more of two as near): 8 rows for 7 and 10,
-    # 5 rows for 4, where g = 2 cost 100 plain rounds; none within 1.5x of 1 or 13 rows.
-    assert times.costs("model", calibrated, 7) == times.costs("model", calibrated, 10) == costs
+    # Elsewhere, the fewest more rows timed, up to 1.5x as many: 8 rows for 6 and 7,
+    # 5 rows for 4 (where g = 2 cost 100 plain rounds); never fewer rows (a round's
+    # cost over a plain step grows with the rows): 10 and 12 rows keep their
+    # calibrated costs, as do 1 and 3.
+    assert times.costs("model", calibrated, 6) == times.costs("model", calibrated, 7) == costs
     assert times.costs("model", calibrated, 4)[2] == pytest.approx(100.0)
-    assert times.costs("model", calibrated, 1) == calibrated
-    assert times.costs("model", calibrated, 12) == costs
-    assert times.costs("model", calibrated, 13) == calibrated
-    times.record("plain", 0, 11, 0.010)
-    assert times.costs("model", calibrated, 10) == costs  # 11 rows: no drafted round timed
+    for rows in (1, 3, 10, 12):
+        assert times.costs("model", calibrated, rows) == calibrated
+    times.record("plain", 0, 9, 0.010)
+    assert times.costs("model", calibrated, 7) == costs  # 9 rows: no drafted round timed
 
 
 def run_timed_rounds(length: DraftLength, round_seconds, rounds: int) -> list[int]:
@@ -272,7 +273,9 @@ def test_auto_stops_drafting_where_its_rounds_cost_more_than_calibrated():
     # Once a probe timed a plain round: plain steps, and no probe, since
     # even were the next 4 tokens accepted (0.81) drafting would not pay.
     assert choices[-2 * PROBE_EVERY :] == [0] * 2 * PROBE_EVERY
-    assert length.choose("model", 3) == 0  # nothing timed at 3 rows: as at 2
+    # 2 rows' timings do not stand in for 3 (a round costs more over more rows):
+    # nothing timed over 3 to 4.5 rows, so the calibrated costs, where drafting pays.
+    assert length.choose("model", 3) >= 1
 
 
 def test_auto_drafts_where_its_rounds_cost_less_than_calibrated():
