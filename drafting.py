@@ -55,7 +55,7 @@ PRIOR_WEIGHT = 4
 # 2.0 at 32), so that fewer rows' timings understate it. A batch of 32 that
 # took 8 rows' timings drafted where it did not pay; one whose rows had
 # dropped to 24 took 16 rows' timings and started drafting in its last
-# rounds, where regular decoding's steps were 25-38 ms and its own 50-66.
+# rounds, where regular decoding's steps were 23-38 ms and its own 50-67.
 NEAREST_ROWS_RATIO = 1.5
 DRAFT_SOURCES = ("model", "lookup")
 # After a drafted round the draft model's cache lacks at most this many of
