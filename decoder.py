@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,7 @@ from drafting import (
     PromptLookupDrafter,
     RoundTimes,
     acceptance_counts,
+    draft_start_cost,
     pass_times,
     trim_to,
 )
@@ -301,7 +303,10 @@ class BatchGenerator:
         if self.drafter is not None and max(limits) > 0:
             drafting_rows = [row.acceptance for row, limit in zip(rows, limits) if limit > 0]
             choose = functools.partial(
-                self.draft_length.choose, batch_size=len(rows), rows=drafting_rows
+                self.draft_length.choose,
+                batch_size=len(rows),
+                rows=drafting_rows,
+                start_cost=self._draft_start_cost(live, limits),
             )
             draft = self.drafter.propose(sequences, sampling, choose, limits, draft_keys)
         draft = draft or Draft.empty(len(rows))
@@ -369,6 +374,27 @@ class BatchGenerator:
         if self.draft_length is not None:
             self.draft_length.timed(draft, time.perf_counter() - tic - encoding_time)
         return events
+
+    def _draft_start_cost(self, live: list[Row], limits: list[int]) -> float:
+        """What a lazy draft model that has not started would cost to start
+        (``draft_start_cost``): its encoding of the rows' prompts, estimated
+        as the main model's prompt time scaled by the two models'
+        ``prompt_work``, over the tokens the rows have left; 0 once started,
+        or with no plain step timed to weigh it by."""
+        drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
+        if not isinstance(drafter, ModelDrafter) or drafter.cache is not None:
+            return 0.0
+        decoder = self.decoder
+        timed = self.draft_length.times.seconds.get(len(self.rows), {}).get(("plain", 0))
+        plain = (
+            statistics.median(timed) if timed else decoder.plain_step_seconds.get(len(self.rows))
+        )
+        if plain is None:
+            return 0.0
+        work = decoder.draft_model.args.prompt_work / decoder.model.args.prompt_work
+        encoding = work * sum(row.result.prompt_time for row in live)
+        tokens_left = sum(limit + 1 for limit in limits if limit > 0)
+        return draft_start_cost(encoding, tokens_left, plain, len(live))
 
     def _free(self, place: int) -> None:
         """Free ``place`` for a waiting prompt; it leaves the caches when
@@ -526,6 +552,8 @@ class SpeculativeDecoder:
         self.delta = delta
         self.prompt_lookup = prompt_lookup
         self._costs = {}  # round costs per source, draft model and batch size: see measure_costs
+        # Per batch size, the seconds of a plain step measure_costs timed.
+        self.plain_step_seconds: dict[int, float] = {}
         self.acceptance = {}  # per way of drafting: see DraftLength
         self.round_times = {}  # per way of drafting: see RoundTimes
 
@@ -610,6 +638,7 @@ class SpeculativeDecoder:
                     self.model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size, drafter
                 )
                 self._costs[key] = [t / times[0] for t in times]
+                self.plain_step_seconds[batch_size] = times[0]
             costs[source] = self._costs[key]
         return costs
 

@@ -439,7 +439,9 @@ def expected_tokens_per_round(alpha: float, num_draft: int) -> float:
     return (1 - alpha ** (num_draft + 1)) / (1 - alpha)
 
 
-def best_num_draft(acceptance: np.ndarray, round_costs: list[float]) -> int:
+def best_num_draft(
+    acceptance: np.ndarray, round_costs: list[float], start_cost: float = 0.0
+) -> int:
     """The g in 0 .. len(round_costs) - 1 with the most expected tokens per
     unit of time. ``acceptance[i]`` is the probability that draft token i + 1
     is accepted once the tokens before it were, so a round of g yields
@@ -449,13 +451,29 @@ def best_num_draft(acceptance: np.ndarray, round_costs: list[float]) -> int:
     that drafts g tokens and verifies them in a main pass over g + 1,
     relative to a plain main-model step (``round_costs[0] == 1``). g = 0 is
     that plain step, one token per pass: the choice when drafting does not
-    pay."""
+    pay. ``start_cost``: plain steps per token that drafting costs besides
+    its rounds (starting the draft model, see ``DraftLength.choose``)."""
     rates = np.atleast_2d(acceptance)[:, : len(round_costs) - 1]
     reach = np.cumprod(rates, axis=1)  # a_1 ... a_i
     # Index g: the tokens a round of g draft tokens yields, per row.
     tokens = 1 + np.concatenate([np.zeros((len(rates), 1)), np.cumsum(reach, axis=1)], axis=1)
     per_round = tokens.mean(axis=0)
-    return max(range(len(round_costs)), key=lambda g: per_round[g] / round_costs[g])
+    costs = [cost + (start_cost * per_round[g] if g else 0.0) for g, cost in enumerate(round_costs)]
+    return max(range(len(round_costs)), key=lambda g: per_round[g] / costs[g])
+
+
+def draft_start_cost(
+    encoding_seconds: float, tokens_left: int, plain_seconds: float, rows: int
+) -> float:
+    """What starting a lazy draft model costs, in plain steps per token:
+    ``encoding_seconds`` to encode its rows' prompts, spread over the
+    ``tokens_left`` that ``rows`` rows may still generate, a plain step
+    over them taking ``plain_seconds``. Drafting must beat a plain step by
+    that much to pay for it: on the benchmark pair, with 48 tokens to go,
+    about 0.005 at one row and 0.03 at 16 and 32 rows, where a drafted
+    round's tokens are worth about what it costs and the draft model's
+    encoding lost auto 3-5% of a call."""
+    return encoding_seconds / tokens_left / (plain_seconds / rows)
 
 
 def acceptance_counts() -> dict[str, np.ndarray]:
@@ -583,6 +601,7 @@ class DraftLength:
         source: str,
         batch_size: int = 1,
         rows: list[dict[str, np.ndarray]] | None = None,
+        start_cost: float = 0.0,
     ) -> int:
         """Draft tokens for the next round from ``source``, over ``batch_size``
         rows; 0: a plain step. ``rows``: the counts (``acceptance_counts``)
@@ -590,20 +609,24 @@ class DraftLength:
         start from those of every other row (and the prior), weighted as
         PRIOR_WEIGHT tokens, so a row that the draft keeps failing (a prompt
         unlike the others) soon weighs as it is, not as the batch's mean;
-        a row alone has the generation's rates."""
+        a row alone has the generation's rates. ``start_cost``: what
+        starting the draft model would cost, in plain steps per token the
+        rows have left (see ``draft_start_cost``); model drafts only."""
         if self.num_draft != "auto":
             return self.num_draft
         costs = self.times.costs(source, self.round_costs[source], batch_size)
-        num_draft = best_num_draft(self.rates(source, rows), costs)
+        start_cost = start_cost if source == ModelDrafter.source else 0.0
+        num_draft = best_num_draft(self.rates(source, rows), costs, start_cost)
         self.rounds[source] += 1
         if self.rounds[source] % PROBE_EVERY:
             return num_draft
         if num_draft > 0 and self.rounds[source] % (2 * PROBE_EVERY) == PROBE_EVERY:
             return 0
         hopeful = self.rates(source, rows, luck=PROBE_OPTIMISM)
-        if (
-            best_num_draft(hopeful, costs) > num_draft
-            or self.rounds[source] % HOPELESS_PROBE_EVERY == 0
+        # The rare probe without hope, but not one that would start the draft
+        # model: that cost is what it weighs.
+        if best_num_draft(hopeful, costs, start_cost) > num_draft or (
+            self.rounds[source] % HOPELESS_PROBE_EVERY == 0 and not start_cost
         ):
             return min(num_draft + 1, MAX_AUTO_DRAFT)
         return num_draft

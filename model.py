@@ -57,6 +57,16 @@ class ModelArgs:
     # {"group_size": G, "bits": B, "mode": M} for a model convert.py quantized.
     quantization: dict | None = None
 
+    @property
+    def prompt_work(self) -> int:
+        """Multiply-adds per prompt token of ``T5.prompt_cache``: the
+        encoder's products and each decoder layer's cross-attention keys and
+        values."""
+        inner = self.num_heads * self.d_kv
+        feed_forward = (3 if self.feed_forward_proj.startswith("gated-") else 2) * self.d_ff
+        encoder_layer = 4 * inner * self.d_model + feed_forward * self.d_model
+        return self.num_layers * encoder_layer + self.num_decoder_layers * 2 * inner * self.d_model
+
     @classmethod
     def from_dict(cls, config: dict) -> ModelArgs:
         names = {f.name for f in fields(cls)}

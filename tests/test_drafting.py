@@ -20,6 +20,7 @@ from drafting import (
     RoundTimes,
     acceptance_counts,
     best_num_draft,
+    draft_start_cost,
     expected_tokens_per_round,
     find_continuation,
     pass_times,
@@ -127,6 +128,50 @@ def test_best_num_draft():
     assert best_num_draft([0.99] * 16, linear_round_costs(0.0)) == 16
     # Per position: a second token never accepted is never worth drafting.
     assert best_num_draft([0.9, 0.0] + [0.9] * 14, cheap) == 1
+
+
+def test_auto_weighs_starting_the_draft_model():
+    # A draft model whose prompts take 50 ms to encode, for 16 rows with 160
+    # tokens left, a plain step over them taking 28 ms: 50 / 160 / (28 / 16).
+    assert draft_start_cost(0.050, 160, 0.028, 16) == pytest.approx(0.1786, abs=1e-4)
+    # At acceptance 0.8 with draft steps of 0.5 plain steps, g = 2 yields 2.44
+    # tokens for 2.0 steps (1.22x); each token carrying 0.1 steps of the start,
+    # 2.44 for 2.244 (1.09x); carrying 0.25, 2.44 for 2.61 (0.93x), g = 1
+    # 1.8 for 1.95 (0.92x): a plain step.
+    costs = linear_round_costs(0.5)
+    assert best_num_draft([0.8] * 16, costs) == 2
+    assert best_num_draft([0.8] * 16, costs, start_cost=0.1) == 2
+    assert best_num_draft([0.8] * 16, costs, start_cost=0.25) == 0
+    # In auto, a start cost weighs on model drafts only, and no probe without
+    # hope starts the draft model.
+    length = accepting(DraftLength("auto", auto_costs(0.5)), 0.8)
+    for _ in range(HOPELESS_PROBE_EVERY):
+        assert length.choose("model", 16, start_cost=0.25) == 0
+    assert length.choose("lookup", 16, start_cost=0.25) > 0
+
+
+def test_starting_the_lazy_draft_model_is_weighed_until_it_starts(decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft="auto")
+    cheap_drafts(decoder)
+    decoder.plain_step_seconds[2] = 0.010  # as if calibrated at 2 rows
+    generator = decoder.batch_generator(max_batch_size=2)
+    for prompt in PROMPTS[:2]:
+        generator.insert(prompt, max_tokens=MAX_TOKENS)
+    generator._admit()  # the prompts join, as a round starts
+    assert generator.drafter.cache is None  # lazy: not started
+    live, limits = list(generator.rows), [MAX_TOKENS - 1] * 2
+    # The draft model's share of the main model's prompt time, over the 2 x 40
+    # tokens left, in plain steps of 10 ms over 2 rows.
+    work = decoder.draft_model.args.prompt_work / decoder.model.args.prompt_work
+    encoding = work * sum(row.result.prompt_time for row in live)
+    expected = encoding / (2 * MAX_TOKENS) / (0.010 / 2)
+    assert expected > 0
+    assert generator._draft_start_cost(live, limits) == pytest.approx(expected)
+    for _ in range(MAX_TOKENS):  # cheap drafts: auto drafts within a few rounds
+        generator.next()
+        if generator.drafter.cache is not None:
+            break
+    assert generator._draft_start_cost(live, limits) == 0
 
 
 def test_auto_draft_length_follows_acceptance():
@@ -358,9 +403,9 @@ def test_batch_rows_keep_their_own_acceptance(decoding_pair):
     chosen_for = []
     choose = generator.draft_length.choose
 
-    def spy(source, batch_size=1, rows=None):
+    def spy(source, batch_size=1, rows=None, start_cost=0.0):
         chosen_for.append(rows)
-        return choose(source, batch_size, rows)
+        return choose(source, batch_size, rows, start_cost)
 
     generator.draft_length.choose = spy
     for _ in range(10):
