@@ -379,22 +379,24 @@ class BatchGenerator:
         """What a lazy draft model that has not started would cost to start
         (``draft_start_cost``): its encoding of the rows' prompts, estimated
         as the main model's prompt time scaled by the two models'
-        ``prompt_work``, over the tokens the rows have left; 0 once started,
-        or with no plain step timed to weigh it by."""
+        ``prompt_work``, over the tokens the rows have left, in plain steps
+        over the fewest rows at least as many as the batch's that a plain
+        step was timed or calibrated over; 0 once started, or with none."""
         drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
         if not isinstance(drafter, ModelDrafter) or drafter.cache is not None:
             return 0.0
         decoder = self.decoder
-        timed = self.draft_length.times.seconds.get(len(self.rows), {}).get(("plain", 0))
-        plain = (
-            statistics.median(timed) if timed else decoder.plain_step_seconds.get(len(self.rows))
-        )
-        if plain is None:
+        plain = dict(decoder.plain_step_seconds)
+        for rows, rounds in self.draft_length.times.seconds.items():
+            if ("plain", 0) in rounds:
+                plain[rows] = statistics.median(rounds["plain", 0])
+        rows = min((rows for rows in plain if rows >= len(self.rows)), default=None)
+        if rows is None:
             return 0.0
         work = decoder.draft_model.args.prompt_work / decoder.model.args.prompt_work
         encoding = work * sum(row.result.prompt_time for row in live)
         tokens_left = sum(limit + 1 for limit in limits if limit > 0)
-        return draft_start_cost(encoding, tokens_left, plain, len(live))
+        return draft_start_cost(encoding, tokens_left, plain[rows], len(live))
 
     def _free(self, place: int) -> None:
         """Free ``place`` for a waiting prompt; it leaves the caches when

@@ -167,6 +167,12 @@ def test_starting_the_lazy_draft_model_is_weighed_until_it_starts(decoding_pair)
     expected = encoding / (2 * MAX_TOKENS) / (0.010 / 2)
     assert expected > 0
     assert generator._draft_start_cost(live, limits) == pytest.approx(expected)
+    # Weighed by a plain step over the fewest more rows, never fewer.
+    decoder.plain_step_seconds = {1: 0.005, 4: 0.020, 8: 0.030}
+    assert generator._draft_start_cost(live, limits) == pytest.approx(expected / 2)
+    decoder.plain_step_seconds = {1: 0.005}
+    assert generator._draft_start_cost(live, limits) == 0
+    decoder.plain_step_seconds = {2: 0.010}
     for _ in range(MAX_TOKENS):  # cheap drafts: auto drafts within a few rounds
         generator.next()
         if generator.drafter.cache is not None:
