@@ -386,17 +386,20 @@ class BatchGenerator:
         if not isinstance(drafter, ModelDrafter) or drafter.cache is not None:
             return 0.0
         decoder = self.decoder
-        plain = dict(decoder.plain_step_seconds)
-        for rows, rounds in self.draft_length.times.seconds.items():
-            if ("plain", 0) in rounds:
-                plain[rows] = statistics.median(rounds["plain", 0])
-        rows = min((rows for rows in plain if rows >= len(self.rows)), default=None)
-        if rows is None:
+        timed = self.draft_length.times.seconds
+        timed_plain = {rows for rows, rounds in timed.items() if ("plain", 0) in rounds}
+        known = [n for n in timed_plain | decoder.plain_step_seconds.keys() if n >= len(self.rows)]
+        if not known:
             return 0.0
+        rows = min(known)
+        if rows in timed_plain:  # the loop's own timings before the calibration's
+            plain = statistics.median(timed[rows]["plain", 0])
+        else:
+            plain = decoder.plain_step_seconds[rows]
         work = decoder.draft_model.args.prompt_work / decoder.model.args.prompt_work
         encoding = work * sum(row.result.prompt_time for row in live)
         tokens_left = sum(limit + 1 for limit in limits if limit > 0)
-        return draft_start_cost(encoding, tokens_left, plain[rows], len(live))
+        return draft_start_cost(encoding, tokens_left, plain, len(live))
 
     def _free(self, place: int) -> None:
         """Free ``place`` for a waiting prompt; it leaves the caches when
