@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from fixtures import assert_within, load_hf
+from mlx import nn
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import model as model_module
@@ -134,6 +135,33 @@ def test_every_product_form_computes_the_same_function(name, converted):
         np.testing.assert_allclose(
             np.array(model(inputs, decoder_inputs)), expected, rtol=0, atol=CACHE_TOLERANCE
         )
+
+
+def test_rows_functions_compile_once_for_any_rows_on_each_side_of_streaming_rows():
+    """A RowsFunction traces its function once for every number of rows up
+    to STREAMING_ROWS and once for more, where Linear changes form: a
+    shapeless compilation keeps the branches taken at its first call."""
+    traced = []
+
+    def scaled(rows):
+        traced.append(rows.shape[0])
+        return rows * (1.0 if rows.shape[0] <= model_module.STREAMING_ROWS else 2.0)
+
+    compiled = model_module.RowsFunction(scaled, nn.Module())
+    few = model_module.STREAMING_ROWS
+    for rows, factor in [(1, 1.0), (3, 1.0), (few, 1.0), (few + 1, 2.0), (few + 9, 2.0), (2, 1.0)]:
+        x = mx.ones((rows, 4))
+        assert mx.array_equal(compiled(x), factor * x)
+    assert len(traced) == 2
+
+
+def test_rows_functions_read_their_modules_weights_at_every_call():
+    linear = model_module.Linear(4, 3)
+    compiled = model_module.RowsFunction(linear, linear)
+    x = mx.ones((2, 4))
+    mx.eval(compiled(x))
+    linear.weight = mx.full((3, 4), 2.0)  # as load_model replaces a weight by its new layout
+    assert mx.array_equal(compiled(x), mx.full((2, 3), 8.0))
 
 
 def test_the_fastest_form_must_save_a_tenth_over_the_plain_one():
