@@ -17,6 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -703,18 +704,24 @@ def encoder_passes(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 class RowsFunction:
-    """``function(rows, *arrays)`` of rows [N, d], compiled once for every N
-    (``mx.compile``, shapeless): MLX fuses its element-wise work, and Python
-    builds no graph for it at each call. ``module``'s arrays are inputs of
-    every call, so that later changes to them (a weight's layout) are seen.
-    A shapeless compilation keeps the branches taken at its first call, and
-    Linear takes another form past ``STREAMING_ROWS`` rows: one compilation
-    each side of it. (Compiling one function twice gives one compilation:
-    MLX tells them apart by the function object.)"""
+    """``function(module, rows, *arrays)`` of rows [N, d], compiled once for
+    every N (``mx.compile``, shapeless): MLX fuses its element-wise work, and
+    Python builds no graph for it at each call. The arrays of ``module``'s
+    children are inputs of every call, so that later changes to them (a
+    weight's layout) are seen. ``module`` holds its RowsFunctions, so they
+    hold it weakly: a reference cycle would keep a dropped model's weights
+    until Python's cyclic collector ran. A shapeless compilation keeps the
+    branches taken at its first call, and Linear takes another form past
+    ``STREAMING_ROWS`` rows: one compilation each side of it. (Compiling one
+    function twice gives one compilation: MLX tells them apart by the
+    function object.)"""
 
     def __init__(self, function: Callable, module: nn.Module):
+        module_ref = weakref.ref(module)
         self.few_rows, self.many_rows = (
-            mx.compile(lambda *args: function(*args), inputs=module, shapeless=True)
+            mx.compile(
+                lambda *args: function(module_ref(), *args), inputs=dict(module), shapeless=True
+            )
             for _ in range(2)
         )
 
@@ -742,9 +749,9 @@ class DecoderLayer(nn.Module):
         self.cross_attn = CrossAttention(args)
         self.ff_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
         self.ff = FeedForward(args)
-        self.self_attention_inputs = RowsFunction(self._self_attention_inputs, self)
-        self.after_self_attention = RowsFunction(self._after_self_attention, self)
-        self.after_cross_attention = RowsFunction(self._after_cross_attention, self)
+        self.self_attention_inputs = RowsFunction(DecoderLayer._self_attention_inputs, self)
+        self.after_self_attention = RowsFunction(DecoderLayer._after_self_attention, self)
+        self.after_cross_attention = RowsFunction(DecoderLayer._after_cross_attention, self)
 
     def _self_attention_inputs(self, x: mx.array) -> mx.array:
         return self.self_attn.qkv_proj(self.self_attn_norm(x))

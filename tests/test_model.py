@@ -1,5 +1,7 @@
 """The MLX T5 computes the same function as transformers' T5 (torch)."""
 
+import gc
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -147,7 +149,8 @@ def test_rows_functions_compile_once_for_any_rows_on_each_side_of_streaming_rows
         traced.append(rows.shape[0])
         return rows * (1.0 if rows.shape[0] <= model_module.STREAMING_ROWS else 2.0)
 
-    compiled = model_module.RowsFunction(scaled, nn.Module())
+    module = nn.Module()
+    compiled = model_module.RowsFunction(lambda module, rows: scaled(rows), module)
     few = model_module.STREAMING_ROWS
     for rows, factor in [(1, 1.0), (3, 1.0), (few, 1.0), (few + 1, 2.0), (few + 9, 2.0), (2, 1.0)]:
         x = mx.ones((rows, 4))
@@ -156,12 +159,29 @@ def test_rows_functions_compile_once_for_any_rows_on_each_side_of_streaming_rows
 
 
 def test_rows_functions_read_their_modules_weights_at_every_call():
-    linear = model_module.Linear(4, 3)
-    compiled = model_module.RowsFunction(linear, linear)
+    block = nn.Module()
+    block.linear = model_module.Linear(4, 3)
+    compiled = model_module.RowsFunction(lambda module, rows: module.linear(rows), block)
     x = mx.ones((2, 4))
     mx.eval(compiled(x))
-    linear.weight = mx.full((3, 4), 2.0)  # as load_model replaces a weight by its new layout
+    block.linear.weight = mx.full((3, 4), 2.0)  # as load_model replaces a weight by its new layout
     assert mx.array_equal(compiled(x), mx.full((2, 3), 8.0))
+
+
+def test_a_dropped_model_is_freed_at_once(converted):
+    """Nothing keeps a model that decoded alive once it is dropped (its
+    layers' RowsFunctions hold them weakly), even with Python's cyclic
+    collector off: a cycle would keep its weights until the collector ran."""
+    gc.disable()
+    try:
+        model = load_model(converted("relu_tied"))
+        inputs = mx.array(random_ids((2, 9), model.args.vocab_size, seed=5))
+        mx.eval(model(inputs, mx.array(random_ids((2, 7), model.args.vocab_size, seed=6))))
+        layer = weakref.ref(model.decoder.layers[0])
+        del model
+        assert layer() is None
+    finally:
+        gc.enable()
 
 
 def test_the_fastest_form_must_save_a_tenth_over_the_plain_one():
