@@ -164,7 +164,9 @@ class Linear(nn.Linear):
         rows = x.size // x.shape[-1]
         if not (self.streaming and rows <= STREAMING_ROWS):
             return x @ self.weight.T
-        if x.ndim == 2:  # not reshaped: a shapeless compiled function (RowsFunction) fixes shapes
+        # Rows as they are: in a shapeless compiled function (RowsFunction), a
+        # reshape would keep the shape of its first call.
+        if x.ndim == 2:
             return (self.weight @ x.T).T
         return self(x.reshape(rows, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
