@@ -1086,15 +1086,63 @@ FORMS_FILE = "forms.json"
 def chosen_form(shape: tuple[int, int], dtype: mx.Dtype, forms: Sequence[str]) -> str:
     """``fastest_form`` of ``form_times`` for a weight of ``shape``: timed
     once per machine and remembered in the cache (when it can be written),
-    so that later loads take the same form at once."""
+    so that later loads take the same form at once. A choice timed while
+    other processes kept the CPUs busy (``OtherProcesses``) is taken but
+    not remembered: the next load times it again."""
     directory = blas.cache_directory()
     key = f"{blas.machine_key()} {shape[0]}x{shape[1]} {dtype} {'/'.join(forms)}"
     chosen = read_forms(directory)
     if key not in chosen:
+        others = OtherProcesses()
         chosen[key] = fastest_form(form_times(shape, dtype, forms))
-        if directory is not None:
+        if directory is not None and not others.were_busy():
             write_forms(directory, {**read_forms(directory), key: chosen[key]})
     return chosen[key]
+
+
+def machine_cpu_seconds() -> float | None:
+    """CPU seconds the machine's processors have spent busy since it booted
+    (Linux's ``/proc/stat``, time taken by the hypervisor included); None
+    where that cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+# Other processes that use more than this share of a CPU while the forms are
+# timed make the timings unfit to keep. On a 2-core Zen 4, while each shape
+# of the benchmark pair was timed, a busy loop in another process took 0.6-0.9
+# of a CPU, a loop of numpy products 1.1-1.2, a quiet machine at most 0.14;
+# with the numpy loop, 2 to 4 of five shapes took another form than on the
+# quiet machine, in each of four loads (docs/benchmarks.md).
+BUSY_SHARE = 0.25
+# /proc/stat counts in ticks (100 a second), on every CPU: what other
+# processes used can read up to about this much too high on a quiet machine.
+TICKS_SLACK_SECONDS = 0.02
+
+
+class OtherProcesses:
+    """How much CPU time processes other than this one take from the
+    moment it is made: the machine's busy time minus this process's own
+    (every thread's, OpenBLAS's spinning ones included)."""
+
+    def __init__(self):
+        self.machine = machine_cpu_seconds()
+        self.own = time.process_time()
+        self.start = time.perf_counter()
+
+    def were_busy(self) -> bool:
+        """Whether they used more than ``BUSY_SHARE`` of a CPU on average
+        since; False where the machine's CPU time cannot be read."""
+        machine = machine_cpu_seconds()
+        if machine is None or self.machine is None:
+            return False
+        elsewhere = (machine - self.machine) - (time.process_time() - self.own)
+        elapsed = time.perf_counter() - self.start
+        return elsewhere > BUSY_SHARE * elapsed + TICKS_SLACK_SECONDS
 
 
 def read_forms(directory: Path | None) -> dict[str, str]:

@@ -1,6 +1,9 @@
 """The MLX T5 computes the same function as transformers' T5 (torch)."""
 
 import gc
+import subprocess
+import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -204,6 +207,7 @@ def test_load_model_lays_out_each_shape_in_the_form_timed_fastest(converted, mon
         return {form: 0.5 if form == best else 1.0 for form in forms}
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # fake timings stay in the test
+    monkeypatch.setattr(model_module, "machine_cpu_seconds", lambda: None)  # unknown: quiet
     monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
     monkeypatch.setattr(model_module, "form_times", fake_times)
     model = load_model(converted("relu_tied"))
@@ -234,6 +238,7 @@ def test_forms_are_timed_once_per_machine(writable, converted, monkeypatch, tmp_
     if not writable:
         cache.write_text("mine")
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.setattr(model_module, "machine_cpu_seconds", lambda: None)  # unknown: quiet
     monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
     monkeypatch.setattr(model_module, "form_times", fake_times)
     loads = [load_model(converted("relu_tied")) for _ in range(2)]
@@ -243,6 +248,52 @@ def test_forms_are_timed_once_per_machine(writable, converted, monkeypatch, tmp_
     assert layouts[0] == layouts[1]
     if not writable:
         assert cache.read_text() == "mine"
+
+
+def test_forms_timed_while_other_processes_were_busy_are_not_remembered(
+    converted, monkeypatch, tmp_path
+):
+    """Forms timed while other processes took the CPUs are used by the load
+    that timed them, not written to the cache: the next load times them again."""
+    timed = []
+
+    def fake_times(shape, dtype, forms):
+        timed.append(shape)
+        best = "transposed" if shape[0] > shape[1] else "streaming"
+        return {form: 0.5 if form == best else 1.0 for form in forms}
+
+    busy = iter(range(0, 10_000, 10))  # the machine: 10 CPU seconds more at every look
+    monkeypatch.setattr(model_module, "machine_cpu_seconds", lambda: next(busy))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
+    monkeypatch.setattr(model_module, "form_times", fake_times)
+    loads = [load_model(converted("relu_tied")) for _ in range(2)]
+    shapes = {module.weight.shape for module in linears(loads[0])} | {loads[0].shared.weight.shape}
+    assert len(timed) == 2 * len(shapes)
+    assert not (tmp_path / "t5-spec" / model_module.FORMS_FILE).exists()
+    for model in loads:
+        for module in linears(model):
+            wide = module.weight.shape[0] > module.weight.shape[1]
+            assert row_major(module.weight) != wide and module.streaming != wide
+
+
+@pytest.mark.skipif(model_module.machine_cpu_seconds() is None, reason="no /proc/stat")
+def test_other_processes_busy_on_a_cpu_are_told_from_this_one():
+    """A process that spins beside this one makes them busy; this process
+    spinning alone does not (its own CPU time is not theirs)."""
+
+    def spin(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    others = model_module.OtherProcesses()
+    spin(0.3)
+    assert not others.were_busy()
+    loop = "import time\nend = time.perf_counter() + 0.5\nwhile time.perf_counter() < end: pass"
+    others = model_module.OtherProcesses()
+    subprocess.run([sys.executable, "-c", loop], check=True, timeout=60)
+    assert others.were_busy()
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
