@@ -32,6 +32,14 @@ wherever the environment is; both are in requirements.txt on Linux x86_64.
 ``OPENBLAS_NUM_THREADS`` (else ``OMP_NUM_THREADS``, else it takes every core)
 when it is loaded, so set it before importing this module.
 
+Idle threads. After a product, OpenBLAS's threads spin for
+``2^OPENBLAS_THREAD_TIMEOUT`` CPU cycles before they sleep: 2^28 (about
+0.1 s) unless that is set. A decoder pass is a chain of short products
+between MLX's own operations, so they spun through all of it, on cores
+that MLX's threads needed. OpenBLAS is loaded with a timeout of
+``THREAD_TIMEOUT`` (unless ``OPENBLAS_THREAD_TIMEOUT`` is set), only
+while it loads: the environment is left as it was, for other processes.
+
 If neither is found, one line on stderr says how to get one, and MLX runs on
 its reference BLAS. Nothing happens on macOS, where MLX uses Accelerate.
 
@@ -99,12 +107,20 @@ FORTRAN_RUNTIME = "libgfortran.so.5"
 SYSTEM_NAMES = ("libopenblas.so.0", "libopenblas.so")
 # Runtime libraries auditwheel vendors beside the OpenBLAS, in dependency order.
 VENDORED_RUNTIMES = ("libquadmath", "libgfortran")
+THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
+# log2 of the CPU cycles OpenBLAS's idle threads spin before they sleep: its
+# least. On a 2-core Zen 4, against OpenBLAS's 28, whole calls of the
+# benchmark pair took 0.91-0.94x the time at B = 1 and 0.94-0.96x at B = 8
+# (medians of four processes each; 10 and 14 did no better than 4), and a
+# pass of its draft model 1.70 ms instead of 2.34 (docs/benchmarks.md).
+THREAD_TIMEOUT = "4"
 
 _loaded: str | None = None
 _status = "not attempted"
 _attempted = False
 _few_rows: ctypes.CDLL | None = None
 _few_rows_status = ""
+_thread_timeout: str | None = None  # OPENBLAS_THREAD_TIMEOUT when OpenBLAS loaded
 
 
 def loaded_library() -> str | None:
@@ -221,15 +237,23 @@ def cache_directory() -> Path | None:
 @functools.cache  # fixed once blas has loaded: one hash per process, not per weight shape
 def machine_key() -> str:
     """A hash of what decides how fast a product runs here: the CPU, the
-    BLAS MLX calls, its thread count and kernels (``OPENBLAS_CORETYPE``),
-    few_rows.c's build and MLX's version. It names timings kept in the
-    cache (``model.store_for_cpu``)."""
+    BLAS MLX calls, its thread count, kernels (``OPENBLAS_CORETYPE``) and
+    idle threads' timeout, few_rows.c's build and MLX's version. It names
+    timings kept in the cache (``model.store_for_cpu``)."""
     import importlib.metadata
 
     few_rows = _few_rows._name if _few_rows is not None else None
     kernels = os.environ.get("OPENBLAS_CORETYPE")
     mlx_version = importlib.metadata.version("mlx")
-    parts = (_cpu_identity(), status(), num_threads(), kernels, few_rows, mlx_version)
+    parts = (
+        _cpu_identity(),
+        status(),
+        num_threads(),
+        kernels,
+        few_rows,
+        mlx_version,
+        _thread_timeout,
+    )
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
@@ -370,6 +394,24 @@ def _from_system() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _short_thread_timeout():
+    """``OPENBLAS_THREAD_TIMEOUT`` set to ``THREAD_TIMEOUT`` for the
+    OpenBLAS loaded within (it reads it as it loads), unless it is set
+    already; the environment as it was afterwards."""
+    global _thread_timeout
+    if THREAD_TIMEOUT_ENV in os.environ:
+        _thread_timeout = os.environ[THREAD_TIMEOUT_ENV]
+        yield
+        return
+    _thread_timeout = THREAD_TIMEOUT
+    os.environ[THREAD_TIMEOUT_ENV] = THREAD_TIMEOUT
+    try:
+        yield
+    finally:
+        del os.environ[THREAD_TIMEOUT_ENV]
+
+
 def load() -> str | None:
     """Load the optimized CBLAS with ``RTLD_GLOBAL`` (once); return its path or None.
 
@@ -389,18 +431,17 @@ def load() -> str | None:
         _status = "mlx.core was imported before blas: MLX's bundled reference BLAS"
         _say(f"{_status}; import blas before mlx for the optimized BLAS")
         return None
-    _loaded = _from_threaded_package()
-    if _loaded is not None:
-        _status = f"OpenBLAS from the {THREADED_PACKAGE} package: {_loaded}"
-        return _loaded
-    _loaded = _from_package()
-    if _loaded is not None:
-        _status = f"OpenBLAS from the {PACKAGE} package: {_loaded}"
-        return _loaded
-    _loaded = _from_system()
-    if _loaded is not None:
-        _status = f"system OpenBLAS: {_loaded}"
-        return _loaded
+    sources = (
+        (_from_threaded_package, f"OpenBLAS from the {THREADED_PACKAGE} package"),
+        (_from_package, f"OpenBLAS from the {PACKAGE} package"),
+        (_from_system, "system OpenBLAS"),
+    )
+    for source, description in sources:
+        with _short_thread_timeout():
+            _loaded = source()
+        if _loaded is not None:
+            _status = f"{description}: {_loaded}"
+            return _loaded
     _status = "no optimized BLAS found: MLX's bundled reference BLAS"
     _say(
         f"MLX is using its slow reference BLAS; for fast CPU matmuls, {INSTALL_HINT} "

@@ -205,6 +205,53 @@ def test_an_explicit_thread_count_is_kept(tmp_path):
     assert report["threads"] == 1
 
 
+IDLE_CHILD = r"""
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+import blas
+import mlx.core as mx
+
+a = mx.ones((512, 512))
+mx.eval(a @ a)  # on every OpenBLAS thread
+cpu = time.process_time()
+time.sleep(0.2)
+print(json.dumps({
+    "threads": blas.num_threads(),
+    "idle_cpu": time.process_time() - cpu,
+    "environment": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+}))
+"""
+
+
+@pytest.mark.parametrize("timeout", [None, "30"], ids=["ours", "the user's"])
+def test_openblas_threads_sleep_soon_after_a_product(timeout):
+    """OpenBLAS's idle threads spin 2^28 cycles (about 0.1 s) by default
+    before they sleep, taking cores that MLX's threads need between
+    products: blas.py loads it with a short timeout, and leaves the
+    environment as it was. A timeout set by the user is kept: 2^30 cycles
+    spin through the child's 0.2 s sleep."""
+    drop = ("T5_SPEC_NO_BLAS", blas.THREAD_TIMEOUT_ENV, *THREAD_SETTINGS)
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    if timeout is not None:
+        env[blas.THREAD_TIMEOUT_ENV] = timeout
+    result = subprocess.run(
+        [sys.executable, "-c", IDLE_CHILD, str(ROOT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(result.stdout.splitlines()[-1])
+    if report["threads"] is None or report["threads"] < 2:
+        pytest.skip("no threaded OpenBLAS: no thread to idle")
+    assert report["environment"] == timeout
+    if timeout is None:
+        assert report["idle_cpu"] < 0.05
+    else:
+        assert report["idle_cpu"] > 0.1
+
+
 def test_without_few_rows_mlx_calls_openblas_itself(tmp_path):
     report, mlx_sgemm, stderr = run_child(tmp_path, few_rows=False)
     check_optimized(report, mlx_sgemm, stderr, few_rows=False)
