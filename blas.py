@@ -111,8 +111,8 @@ THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
 # log2 of the CPU cycles OpenBLAS's idle threads spin before they sleep: its
 # least. On a 2-core Zen 4, against OpenBLAS's 28, whole calls of the
 # benchmark pair took 0.91-0.94x the time at B = 1 and 0.94-0.96x at B = 8
-# (medians of four processes each; 10 and 14 did no better than 4), and a
-# pass of its draft model 1.70 ms instead of 2.34 (docs/benchmarks.md).
+# (medians of four processes each; 10 and 14 within noise of 4), and a pass
+# of its draft model 1.70 ms instead of 2.34 (2.59 with 18; docs/benchmarks.md).
 THREAD_TIMEOUT = "4"
 
 _loaded: str | None = None
