@@ -1127,7 +1127,7 @@ TICKS_SLACK_SECONDS = 0.02
 class OtherProcesses:
     """How much CPU time processes other than this one take from the
     moment it is made: the machine's busy time minus this process's own
-    (every thread's, OpenBLAS's spinning ones included)."""
+    (every thread's, OpenBLAS's included)."""
 
     def __init__(self):
         self.machine = machine_cpu_seconds()

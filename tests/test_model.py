@@ -196,20 +196,28 @@ def test_the_fastest_form_must_save_a_tenth_over_the_plain_one():
     assert fastest({"plain": 1.0, "transposed": 1.3}) == "plain"
 
 
+def fake_times_recorded(timed: list):
+    """``form_times`` faked: wide weights fastest transposed, the others
+    streamed; each shape timed is appended to ``timed``."""
+
+    def fake_times(shape, dtype, forms):
+        timed.append(shape)
+        best = "transposed" if shape[0] > shape[1] else "streaming"
+        return {form: 0.5 if form == best else 1.0 for form in forms}
+
+    return fake_times
+
+
 def test_load_model_lays_out_each_shape_in_the_form_timed_fastest(converted, monkeypatch, tmp_path):
     """load_model gives every float32 weight of a shape the form form_times
     found fastest for that shape (here faked: wide weights transposed, the
     others streamed), and the tied embedding, the output projection, its
     own; a half-precision model keeps the plain form."""
 
-    def fake_times(shape, dtype, forms):
-        best = "transposed" if shape[0] > shape[1] else "streaming"
-        return {form: 0.5 if form == best else 1.0 for form in forms}
-
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # fake timings stay in the test
     monkeypatch.setattr(model_module, "machine_cpu_seconds", lambda: None)  # unknown: quiet
     monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
-    monkeypatch.setattr(model_module, "form_times", fake_times)
+    monkeypatch.setattr(model_module, "form_times", fake_times_recorded([]))
     model = load_model(converted("relu_tied"))
     for module in linears(model):
         wide = module.weight.shape[0] > module.weight.shape[1]
@@ -229,18 +237,13 @@ def test_forms_are_timed_once_per_machine(writable, converted, monkeypatch, tmp_
     stays as it was."""
     timed = []
 
-    def fake_times(shape, dtype, forms):
-        timed.append(shape)
-        best = "transposed" if shape[0] > shape[1] else "streaming"
-        return {form: 0.5 if form == best else 1.0 for form in forms}
-
     cache = tmp_path / "cache"
     if not writable:
         cache.write_text("mine")
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     monkeypatch.setattr(model_module, "machine_cpu_seconds", lambda: None)  # unknown: quiet
     monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
-    monkeypatch.setattr(model_module, "form_times", fake_times)
+    monkeypatch.setattr(model_module, "form_times", fake_times_recorded(timed))
     loads = [load_model(converted("relu_tied")) for _ in range(2)]
     shapes = {module.weight.shape for module in linears(loads[0])} | {loads[0].shared.weight.shape}
     assert len(timed) == len(shapes) * (1 if writable else 2)
@@ -257,16 +260,11 @@ def test_forms_timed_while_other_processes_were_busy_are_not_remembered(
     that timed them, not written to the cache: the next load times them again."""
     timed = []
 
-    def fake_times(shape, dtype, forms):
-        timed.append(shape)
-        best = "transposed" if shape[0] > shape[1] else "streaming"
-        return {form: 0.5 if form == best else 1.0 for form in forms}
-
     busy = iter(range(0, 10_000, 10))  # the machine: 10 CPU seconds more at every look
     monkeypatch.setattr(model_module, "machine_cpu_seconds", lambda: next(busy))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
-    monkeypatch.setattr(model_module, "form_times", fake_times)
+    monkeypatch.setattr(model_module, "form_times", fake_times_recorded(timed))
     loads = [load_model(converted("relu_tied")) for _ in range(2)]
     shapes = {module.weight.shape for module in linears(loads[0])} | {loads[0].shared.weight.shape}
     assert len(timed) == 2 * len(shapes)
