@@ -9,6 +9,7 @@ feed-forward block.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -1026,8 +1027,12 @@ PRODUCT_FORMS = ("plain", "streaming", "transposed")
 # and of a batch or a verify pass.
 TIMED_ROWS = (1, 8)
 # Weights smaller than this (in elements) keep the plain form: their
-# products take microseconds, too few to time reliably and to matter.
-TIMED_FORM_MIN_SIZE = 1 << 18
+# products take a few microseconds, too few to matter. The 256 x 256
+# projections of the benchmark pair's draft are timed: at 8 rows OpenBLAS
+# took 46 us for them plain, few_rows.c's broadcast kernel 36 transposed,
+# and a draft pass at 8 rows took 0.86x the time with them transposed
+# (docs/benchmarks.md).
+TIMED_FORM_MIN_SIZE = 1 << 16
 # Another form replaces the plain one only when it takes at most this share
 # of its time, so that near-ties do not make two loads of a model on one
 # machine compute differently.
@@ -1043,8 +1048,12 @@ def fastest_form(times: dict[str, float]) -> str:
 
 # store_for_cpu times each form over this many bytes of weights, taken in
 # turn, so that each product reads its weight from memory as a decoder pass
-# does, not from a cache (last-level caches here: 32 MB).
+# does, not from a cache (last-level caches here: 32 MB)...
 TIMED_FORM_BYTES = 64 << 20
+# ...and each timing evaluates the products of up to this many bytes of them
+# in one graph: evaluating a graph costs tens of microseconds here, more
+# than a small weight's product.
+TIMED_GRAPH_BYTES = 16 << 20
 
 
 def form_times(
@@ -1053,8 +1062,12 @@ def form_times(
     """Seconds of ``x W^T`` for a weight of ``shape`` in each of ``forms``
     (``PRODUCT_FORMS``) at each of ``TIMED_ROWS`` rows, summed over the rows:
     medians of ``repeats`` timings, the forms interleaved, on throwaway
-    weights of ``TIMED_FORM_BYTES`` in all."""
-    count = max(1, TIMED_FORM_BYTES // (math.prod(shape) * dtype.size))
+    weights of ``TIMED_FORM_BYTES`` in all, ``TIMED_GRAPH_BYTES`` of them
+    a timing."""
+    weight_bytes = math.prod(shape) * dtype.size
+    count = max(1, TIMED_FORM_BYTES // weight_bytes)
+    per_timing = max(1, min(count, TIMED_GRAPH_BYTES // weight_bytes))
+    turn = itertools.count()
     weights = [mx.ones(shape, dtype) for _ in range(count)]
     stored_transposed = [mx.contiguous(w.T) for w in weights] if "transposed" in forms else []
     mx.eval(weights, stored_transposed)
@@ -1067,11 +1080,12 @@ def form_times(
     for rows in TIMED_ROWS:
         x = mx.ones((rows, shape[1]), dtype)
         times = {form: [] for form in forms}
-        for repeat in range(repeats):
-            for i, form in enumerate(forms):
+        for _ in range(repeats):
+            for form in forms:
+                taken = [next(turn) % count for _ in range(per_timing)]
                 tic = time.perf_counter()
-                mx.eval(products[form](x, (repeat * len(forms) + i) % count))
-                times[form].append(time.perf_counter() - tic)
+                mx.eval([products[form](x, i) for i in taken])
+                times[form].append((time.perf_counter() - tic) / per_timing)
         for form in forms:
             totals[form] += statistics.median(times[form])
     return totals
