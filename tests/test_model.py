@@ -1,9 +1,11 @@
 """The MLX T5 computes the same function as transformers' T5 (torch)."""
 
 import gc
+import itertools
 import subprocess
 import sys
 import time
+import types
 import weakref
 from pathlib import Path
 
@@ -194,6 +196,24 @@ def test_the_fastest_form_must_save_a_tenth_over_the_plain_one():
     # Near-ties keep the plain form, so two loads on one machine compute alike.
     assert fastest({"plain": 1.0, "streaming": 0.95, "transposed": 0.92}) == "plain"
     assert fastest({"plain": 1.0, "transposed": 1.3}) == "plain"
+
+
+def test_form_times_are_per_product_however_many_a_timing_evaluates(monkeypatch):
+    """Each timing evaluates the products of up to TIMED_GRAPH_BYTES of the
+    throwaway weights and reports seconds per product, summed over
+    TIMED_ROWS: with a clock that advances 1 s per reading, each timing
+    takes 1 s for 4 products of a 256 KB weight."""
+    monkeypatch.setattr(model_module, "TIMED_FORM_BYTES", 4 << 20)
+    monkeypatch.setattr(model_module, "TIMED_GRAPH_BYTES", 1 << 20)
+    clock = types.SimpleNamespace(perf_counter=itertools.count().__next__)
+    monkeypatch.setattr(model_module, "time", clock)
+    forms = model_module.PRODUCT_FORMS
+    times = model_module.form_times((256, 256), mx.float32, forms, repeats=3)
+    rows = len(model_module.TIMED_ROWS)
+    assert times == {form: rows * 1 / 4 for form in forms}
+    # A weight over TIMED_GRAPH_BYTES is timed one product at a time.
+    times = model_module.form_times((1024, 512), mx.float32, ("plain",), repeats=3)
+    assert times == {"plain": rows * 1.0}
 
 
 def fake_times_recorded(timed: list):
