@@ -179,7 +179,38 @@ LN2_HIGH, LN2_LOW = 0.693145751953125, 1.428606765330187e-06
 TAYLOR = tuple(1 / math.factorial(k) for k in range(7, 0, -1))
 
 
-@mx.compile
+class CompiledPerShape:
+    """``mx.compile(function)``, traced for each shape of its arguments,
+    that forgets the shapes it traced once it holds ``MAX_TRACED_SHAPES``:
+    MLX keeps every shape's trace while the compiled function lives (about
+    40 KB each; 10,000 shapes grew a process by 360 MB), and a decoder's
+    keys grow by one at every pass, prompts come in every length. (Traced
+    once for every shape, ``shapeless=True``, the softmax below took 1.25x
+    the time over long prompts and cannot be compiled as it is.)"""
+
+    def __init__(self, function: Callable):
+        self.function = function
+        self._forget()
+
+    def _forget(self) -> None:
+        # Dropping the compiled function erases its traces from MLX's cache.
+        self.compiled = mx.compile(self.function)
+        self.shapes = set()
+
+    def __call__(self, *arrays: mx.array):
+        shapes = tuple(array.shape for array in arrays)
+        if shapes not in self.shapes:
+            if len(self.shapes) >= MAX_TRACED_SHAPES:
+                self._forget()
+            self.shapes.add(shapes)
+        return self.compiled(*arrays)
+
+
+# Shapes a CompiledPerShape keeps traced: a few hundred cost a few MB.
+MAX_TRACED_SHAPES = 256
+
+
+@CompiledPerShape
 def softmax_cpu(scores: mx.array) -> mx.array:
     """Softmax over the last axis of float32 ``scores``, with exp computed as
     2^n e^r (n an integer, |r| <= ln(2)/2, e^r by its Taylor polynomial,

@@ -144,6 +144,48 @@ def test_every_product_form_computes_the_same_function(name, converted):
         )
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 40), (1, 1, 2), (5, 7, 57), (4, 1, 300)])
+def test_softmax_cpu_is_softmax(shape):
+    """model.softmax_cpu matches softmax in float64, masked scores (-inf) included."""
+    scores = np.random.default_rng(0).normal(scale=20.0, size=shape).astype(np.float32)
+    scores[..., : shape[-1] // 3] = -np.inf  # masked keys, never a whole row
+    got = np.array(model_module.softmax_cpu(mx.array(scores)))
+    exact = np.exp(scores - scores.max(-1, keepdims=True).astype(np.float64))
+    exact /= exact.sum(-1, keepdims=True)
+    np.testing.assert_allclose(got, exact, rtol=4e-6, atol=1e-20)
+
+
+def test_compiled_per_shape_forgets_its_traces_past_its_limit(monkeypatch):
+    """A CompiledPerShape traces each new shape once, and once it holds
+    MAX_TRACED_SHAPES of them starts over, so that MLX's traces of a
+    function compiled per shape do not pile up."""
+    monkeypatch.setattr(model_module, "MAX_TRACED_SHAPES", 3)
+    traced = []
+
+    def doubled(x):
+        traced.append(x.shape)
+        return 2 * x
+
+    compiled = model_module.CompiledPerShape(doubled)
+    for length in [1, 2, 1, 3, 2, 4, 1]:
+        x = mx.ones((2, length))
+        assert mx.array_equal(compiled(x), 2 * x)
+        assert len(compiled.shapes) <= 3
+    # Traced again: (2, 1) after (2, 4) made a fourth shape.
+    assert traced == [(2, 1), (2, 2), (2, 3), (2, 4), (2, 1)]
+
+
+def test_attention_over_one_key_is_its_value():
+    """Over a single key, attention gives its value, however many scores
+    (here as many as take softmax_cpu's path over more keys)."""
+    queries = mx.array(np.random.default_rng(0).normal(size=(2, 64, 16, 8)).astype(np.float32))
+    values = mx.array(np.random.default_rng(1).normal(size=(2, 64, 1, 8)).astype(np.float32))
+    keys = mx.ones((2, 64, 1, 8))
+    assert 2 * 64 * 16 >= model_module.SOFTMAX_CPU_MIN_SCORES
+    out = model_module.attention(queries, keys, values, mx.zeros((2, 1, 16, 1)))
+    np.testing.assert_allclose(np.array(out), np.broadcast_to(np.array(values), out.shape))
+
+
 def test_rows_functions_compile_once_for_any_rows_on_each_side_of_streaming_rows():
     """A RowsFunction traces its function once for every number of rows up
     to STREAMING_ROWS and once for more, where Linear changes form: a
