@@ -184,9 +184,10 @@ class CompiledPerShape:
     that forgets the shapes it traced once it holds ``MAX_TRACED_SHAPES``:
     MLX keeps every shape's trace while the compiled function lives (about
     40 KB each; 10,000 shapes grew a process by 360 MB), and a decoder's
-    keys grow by one at every pass, prompts come in every length. (Traced
-    once for every shape, ``shapeless=True``, the softmax below took 1.25x
-    the time over long prompts and cannot be compiled as it is.)"""
+    keys grow by one at every pass, prompts come in every length. (The
+    softmax below compiled once for every shape, ``shapeless=True``, took
+    1.25x the time over long prompts, and MLX 0.32 crashed on it over a
+    single key: docs/benchmarks.md.)"""
 
     def __init__(self, function: Callable):
         self.function = function
