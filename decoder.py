@@ -377,11 +377,13 @@ class BatchGenerator:
 
     def _draft_start_cost(self, live: list[Row], limits: list[int]) -> float:
         """What a lazy draft model that has not started would cost to start
-        (``draft_start_cost``): its encoding of the rows' prompts, estimated
-        as the main model's prompt time scaled by the two models'
-        ``prompt_work``, over the tokens the rows have left, in plain steps
-        over the fewest rows at least as many as the batch's that a plain
-        step was timed or calibrated over; 0 once started, or with none."""
+        (``draft_start_cost``): its encoding of the rows' prompts, then a
+        pass that catches its cache up on every token the rows generated so
+        far, estimated from the main model's prompt time per multiply-add
+        and the draft model's ``prompt_work`` and ``decode_work``; over the
+        tokens the rows have left, in plain steps over the fewest rows at
+        least as many as the batch's that a plain step was timed or
+        calibrated over. 0 once started, or with none."""
         drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
         if not isinstance(drafter, ModelDrafter) or drafter.cache is not None:
             return 0.0
@@ -396,10 +398,15 @@ class BatchGenerator:
             plain = statistics.median(timed[rows]["plain", 0])
         else:
             plain = decoder.plain_step_seconds[rows]
-        work = decoder.draft_model.args.prompt_work / decoder.model.args.prompt_work
-        encoding = work * sum(row.result.prompt_time for row in live)
+        prompt_tokens = sum(row.result.prompt_tokens for row in live)
+        prompt_seconds = sum(row.result.prompt_time for row in live)
+        seconds_per_work = prompt_seconds / (decoder.model.args.prompt_work * prompt_tokens)
+        draft_args = decoder.draft_model.args
+        # The catch-up pass is padded to the longest row's tokens.
+        catch_up = len(live) * max(len(row.sequence) for row in live)
+        work = draft_args.prompt_work * prompt_tokens + draft_args.decode_work * catch_up
         tokens_left = sum(limit + 1 for limit in limits if limit > 0)
-        return draft_start_cost(encoding, tokens_left, plain, len(live))
+        return draft_start_cost(seconds_per_work * work, tokens_left, plain, len(live))
 
     def _free(self, place: int) -> None:
         """Free ``place`` for a waiting prompt; it leaves the caches when

@@ -463,17 +463,17 @@ def best_num_draft(
 
 
 def draft_start_cost(
-    encoding_seconds: float, tokens_left: int, plain_seconds: float, rows: int
+    start_seconds: float, tokens_left: int, plain_seconds: float, rows: int
 ) -> float:
     """What starting a lazy draft model costs, in plain steps per token:
-    ``encoding_seconds`` to encode its rows' prompts, spread over the
-    ``tokens_left`` that ``rows`` rows may still generate, a plain step
-    over them taking ``plain_seconds``. Drafting must beat a plain step by
-    that much to pay for it: on the benchmark pair, with 48 tokens to go,
-    about 0.005 at one row and 0.03 at 16 and 32 rows, where a drafted
-    round's tokens are worth about what it costs and the draft model's
-    encoding lost auto 3-5% of a call."""
-    return encoding_seconds / tokens_left / (plain_seconds / rows)
+    ``start_seconds`` to encode its rows' prompts and catch its cache up on
+    their tokens so far, spread over the ``tokens_left`` that ``rows`` rows
+    may still generate, a plain step over them taking ``plain_seconds``.
+    Drafting must beat a plain step by that much to pay for it: on the
+    benchmark pair at 16 and 32 rows a drafted round's tokens are worth
+    about what it costs: the draft model's encoding lost auto 3-5% of a
+    call there, and a start late in a batch a catch-up pass besides."""
+    return start_seconds / tokens_left / (plain_seconds / rows)
 
 
 def acceptance_counts() -> dict[str, np.ndarray]:

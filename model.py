@@ -69,6 +69,17 @@ class ModelArgs:
         encoder_layer = 4 * inner * self.d_model + feed_forward * self.d_model
         return self.num_layers * encoder_layer + self.num_decoder_layers * 2 * inner * self.d_model
 
+    @property
+    def decode_work(self) -> int:
+        """Multiply-adds per input token of ``T5.decode``, its attention over
+        the keys aside (that grows with them): each decoder layer's
+        self-attention projections, cross-attention queries and output,
+        feed-forward, then the output projection."""
+        inner = self.num_heads * self.d_kv
+        feed_forward = (3 if self.feed_forward_proj.startswith("gated-") else 2) * self.d_ff
+        decoder_layer = 6 * inner * self.d_model + feed_forward * self.d_model
+        return self.num_decoder_layers * decoder_layer + self.d_model * self.vocab_size
+
     @classmethod
     def from_dict(cls, config: dict) -> ModelArgs:
         names = {f.name for f in fields(cls)}

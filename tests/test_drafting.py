@@ -160,13 +160,26 @@ def test_starting_the_lazy_draft_model_is_weighed_until_it_starts(decoding_pair)
     generator._admit()  # the prompts join, as a round starts
     assert generator.drafter.cache is None  # lazy: not started
     live, limits = list(generator.rows), [MAX_TOKENS - 1] * 2
-    # The draft model's share of the main model's prompt time, over the 2 x 40
-    # tokens left, in plain steps of 10 ms over 2 rows.
-    work = decoder.draft_model.args.prompt_work / decoder.model.args.prompt_work
-    encoding = work * sum(row.result.prompt_time for row in live)
-    expected = encoding / (2 * MAX_TOKENS) / (0.010 / 2)
+    # The draft model's work at the main model's prompt seconds per
+    # multiply-add: encoding the prompts, then catching up on each row's
+    # tokens (the start token so far); over the 2 x 40 tokens left, in plain
+    # steps of 10 ms over 2 rows.
+    main_args, draft_args = decoder.model.args, decoder.draft_model.args
+    prompt_tokens = sum(row.result.prompt_tokens for row in live)
+    seconds_per_work = sum(row.result.prompt_time for row in live) / (
+        main_args.prompt_work * prompt_tokens
+    )
+    encoding = seconds_per_work * draft_args.prompt_work * prompt_tokens
+    catch_up = seconds_per_work * draft_args.decode_work * 2
+    expected = (encoding + catch_up) / (2 * MAX_TOKENS) / (0.010 / 2)
     assert expected > 0
     assert generator._draft_start_cost(live, limits) == pytest.approx(expected)
+    # Rows that generated tokens before it starts add a longer catch-up,
+    # padded to the longest row.
+    live[0].sequence += [5] * 9
+    longer = (encoding + catch_up * 10) / (2 * MAX_TOKENS) / (0.010 / 2)
+    assert generator._draft_start_cost(live, limits) == pytest.approx(longer)
+    live[0].sequence = live[0].sequence[:1]
     # Weighed by a plain step over the fewest more rows, never fewer.
     decoder.plain_step_seconds = {1: 0.005, 4: 0.020, 8: 0.030}
     assert generator._draft_start_cost(live, limits) == pytest.approx(expected / 2)

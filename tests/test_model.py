@@ -15,6 +15,7 @@ import pytest
 import torch
 from fixtures import assert_within, load_hf
 from mlx import nn
+from mlx.utils import tree_flatten
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import model as model_module
@@ -142,6 +143,34 @@ def test_every_product_form_computes_the_same_function(name, converted):
         np.testing.assert_allclose(
             np.array(model(inputs, decoder_inputs)), expected, rtol=0, atol=CACHE_TOLERANCE
         )
+
+
+@pytest.mark.parametrize("gated, tied", [(False, True), (True, False)])
+def test_work_per_token_counts_the_weights_each_token_multiplies(gated, tied):
+    args = model_module.ModelArgs(
+        vocab_size=100,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=3,
+        num_decoder_layers=2,
+        num_heads=2,
+        feed_forward_proj="gated-gelu" if gated else "relu",
+        tie_word_embeddings=tied,
+    )
+    sizes = {name: weight.size for name, weight in tree_flatten(model_module.T5(args).parameters())}
+    products = {name: size for name, size in sizes.items() if "proj" in name or ".ff.w" in name}
+    prompt_side = ("cross_attn.key_proj", "cross_attn.value_proj")
+    encoder = sum(size for name, size in products.items() if name.startswith("encoder."))
+    cross = sum(
+        size
+        for name, size in products.items()
+        if name.removesuffix(".weight").endswith(prompt_side)
+    )
+    decoder = sum(size for name, size in products.items() if name.startswith("decoder.")) - cross
+    output = sizes["shared.weight" if tied else "lm_head.weight"]
+    assert args.prompt_work == encoder + cross
+    assert args.decode_work == decoder + output
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 40), (1, 1, 2), (5, 7, 57), (4, 1, 300)])
