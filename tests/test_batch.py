@@ -21,7 +21,7 @@ from test_sampling_distribution import (
     exact_distribution,
 )
 
-from decoder import SpeculativeDecoder, iter_rounds
+from decoder import SORT_WINDOW, SpeculativeDecoder, iter_rounds, longest_first
 from drafting import HOPELESS_PROBE_EVERY
 from model import DecoderCache, KVCache, compacted_rows
 from sampling import Sampling
@@ -193,6 +193,16 @@ def test_stream_batch_yields_every_row_after_every_pass(decoding_pair):
         seen[index] = (len(result.tokens), result.finished)
     assert sorted(seen) == list(range(5))
     assert all(finished for _, finished in seen.values())
+
+
+def test_a_list_of_prompts_is_taken_longest_first_within_each_window(decoding_pair):
+    lengths = [3, 5, 5, 2, 9, 1]
+    assert longest_first([[7] * n for n in lengths], 4) == [1, 2, 0, 3, 4, 5]
+    decoder = SpeculativeDecoder(*decoding_pair)
+    prompts = PROMPTS[: SORT_WINDOW + 1]
+    first_index, _ = next(decoder.stream_batch(prompts, batch_size=1, max_tokens=2))
+    window = [len(decoder.prompt_ids(prompt)) for prompt in prompts[:SORT_WINDOW]]
+    assert first_index == window.index(max(window))
 
 
 @pytest.mark.parametrize(
