@@ -693,8 +693,9 @@ class SpeculativeDecoder:
         prompt's last. Prompts are taken longest first within each run of
         ``SORT_WINDOW * batch_size`` (``longest_first``). A prompt that
         finishes (end of sequence or ``max_tokens``) leaves the batch and
-        the next waiting prompt takes its place. Regular decoding (``speculative=False``, or nothing to
-        draft with) is the same loop with no draft tokens. With ``seed``,
+        the next waiting prompt takes its place. Regular decoding
+        (``speculative=False``, or nothing to draft with) is the same loop
+        with no draft tokens. With ``seed``,
         every prompt draws the random numbers it would draw alone, so it
         gets the text it gets alone (for a fixed ``num_draft``).
         ``prompt_progress(done, total)`` follows the encoding of prompts:
@@ -728,12 +729,11 @@ class SpeculativeDecoder:
         generator = self.batch_generator(
             speculative=speculative, max_batch_size=batch_size, prompt_progress=prompt_progress
         )
+        generator.check_options(max_tokens, seed)
         ids = []
         for i, prompt in enumerate(prompts):
             try:
                 ids.append(self.prompt_ids(prompt))
-                if i == 0:  # the options, checked once
-                    generator.check_options(max_tokens, seed)
             except (TypeError, ValueError) as error:
                 if not name_prompts:
                     raise
