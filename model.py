@@ -60,14 +60,21 @@ class ModelArgs:
     quantization: dict | None = None
 
     @property
+    def _layer_work(self) -> tuple[int, int]:
+        """Multiply-adds per token of one attention projection (query, key,
+        value or output) and of one feed-forward block."""
+        projection = self.num_heads * self.d_kv * self.d_model
+        gated = self.feed_forward_proj.startswith("gated-")
+        return projection, (3 if gated else 2) * self.d_ff * self.d_model
+
+    @property
     def prompt_work(self) -> int:
         """Multiply-adds per prompt token of ``T5.prompt_cache``: the
         encoder's products and each decoder layer's cross-attention keys and
         values."""
-        inner = self.num_heads * self.d_kv
-        feed_forward = (3 if self.feed_forward_proj.startswith("gated-") else 2) * self.d_ff
-        encoder_layer = 4 * inner * self.d_model + feed_forward * self.d_model
-        return self.num_layers * encoder_layer + self.num_decoder_layers * 2 * inner * self.d_model
+        projection, feed_forward = self._layer_work
+        encoder_layer = 4 * projection + feed_forward
+        return self.num_layers * encoder_layer + self.num_decoder_layers * 2 * projection
 
     @property
     def decode_work(self) -> int:
@@ -75,9 +82,8 @@ class ModelArgs:
         the keys aside (that grows with them): each decoder layer's
         self-attention projections, cross-attention queries and output,
         feed-forward, then the output projection."""
-        inner = self.num_heads * self.d_kv
-        feed_forward = (3 if self.feed_forward_proj.startswith("gated-") else 2) * self.d_ff
-        decoder_layer = 6 * inner * self.d_model + feed_forward * self.d_model
+        projection, feed_forward = self._layer_work
+        decoder_layer = 6 * projection + feed_forward
         return self.num_decoder_layers * decoder_layer + self.d_model * self.vocab_size
 
     @classmethod
