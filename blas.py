@@ -63,7 +63,9 @@ library is loaded. It is loaded with ``RTLD_GLOBAL`` just before the
 OpenBLAS, so that MLX's ``cblas_sgemm`` binds to it. Without a compiler,
 MLX calls OpenBLAS directly. (MLX itself
 compiles its fused CPU kernels with the system's C++ compiler.) Set
-``T5_SPEC_NO_FEW_ROWS=1`` to skip it.
+``T5_SPEC_NO_FEW_ROWS=1`` to skip it, or ``T5_SPEC_FEW_ROWS_NO_AVX512=1`` to
+compile it without AVX-512, as for a CPU that lacks it (a Zen 3), so that a
+machine with AVX-512 can check both builds.
 
 Set ``T5_SPEC_NO_BLAS=1`` to skip all this and keep MLX's bundled reference
 BLAS (to compare, or to rule the optimized library out).
@@ -95,6 +97,7 @@ DISABLE_ENV = "T5_SPEC_NO_BLAS"
 FEW_ROWS_DISABLE_ENV = "T5_SPEC_NO_FEW_ROWS"
 FEW_ROWS_SOURCE = Path(__file__).with_name("few_rows.c")
 FEW_ROWS_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+FEW_ROWS_NO_AVX512_ENV = "T5_SPEC_FEW_ROWS_NO_AVX512"
 FEW_ROWS_LIBRARY = "libfew_rows.so"
 # The paths of few_rows.c, in the order of its counters.
 FEW_ROWS_PATHS = ("tiny", "streamed", "padded", "passed on")
@@ -138,6 +141,12 @@ def num_threads() -> int | None:
 def status() -> str:
     """One line: which BLAS MLX uses, and why."""
     return _status + _few_rows_status
+
+
+def few_rows_own_kernels() -> bool | None:
+    """Whether ``few_rows.c`` computes few-row products with its own kernels
+    (built with AVX-512, on OpenBLAS's threads), or None if it is not in use."""
+    return None if _few_rows is None else bool(_few_rows.few_rows_own_kernels())
 
 
 def few_rows_counts() -> dict[str, int] | None:
@@ -311,14 +320,20 @@ def _build_key(compiler: str) -> str:
         [compiler, "--version"], check=False, capture_output=True, timeout=60
     ).stdout
     key = hashlib.sha256()
-    for part in (FEW_ROWS_SOURCE.read_bytes(), compiler, FEW_ROWS_FLAGS, version, _cpu_identity()):
+    for part in (FEW_ROWS_SOURCE.read_bytes(), compiler, _flags(), version, _cpu_identity()):
         key.update(repr(part).encode())
     return key.hexdigest()[:20]
 
 
+def _flags() -> tuple[str, ...]:
+    """The compiler's flags: ``FEW_ROWS_FLAGS``, without AVX-512 if asked."""
+    without_avx512 = os.environ.get(FEW_ROWS_NO_AVX512_ENV, "") not in ("", "0")
+    return FEW_ROWS_FLAGS + (("-mno-avx512f",) if without_avx512 else ())
+
+
 def _compile(compiler: str, library: Path) -> None:
     """Compile ``few_rows.c`` into ``library``; ``CalledProcessError`` on failure."""
-    command = [compiler, *FEW_ROWS_FLAGS, "-o", str(library), str(FEW_ROWS_SOURCE)]
+    command = [compiler, *_flags(), "-o", str(library), str(FEW_ROWS_SOURCE)]
     subprocess.run(command, check=True, capture_output=True, timeout=120)
 
 

@@ -103,6 +103,10 @@ enum { TINY, STREAMED, PADDED, PASSED_ON };
 atomic_long few_rows_counts[4];
 static int threads = 1;
 
+/* Whether this build computes with its own kernels (AVX-512 and OpenBLAS's
+ * thread pool): which path a product takes depends on it. */
+int few_rows_own_kernels(void) { return OWN_KERNEL; }
+
 /* OpenBLAS's cblas_sgemm, cblas_sgemv, its gotoblas_pthread (NULL: compute on
  * the calling thread alone) and its thread count. */
 void few_rows_use(sgemm_fn sgemm, sgemv_fn sgemv, pool_fn pool, int num_threads) {

@@ -96,7 +96,6 @@ print(json.dumps({
 
 
 THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
-# few_rows.c is compiled for this CPU; with AVX-512 its own kernels stream up to 128 or 64 rows.
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
 # A C compiler: without one, blas.py leaves few_rows.c out.
 HAS_COMPILER = bool(os.environ.get("CC") or shutil.which("cc"))
@@ -320,9 +319,14 @@ def test_too_late_after_mlx_says_so(tmp_path):
     assert "import blas before mlx" in stderr
 
 
+# few_rows.c is compiled for this CPU (or without AVX-512, as the test below
+# asks): with AVX-512 its own kernels stream up to 128 or 64 rows; without,
+# row counts that are not a multiple of 8 are padded and the others passed on.
+OWN_KERNELS = blas.few_rows_own_kernels()
+OWN = "streamed" if OWN_KERNELS else "padded"
+OWN_OR_PASSED_ON = "streamed" if OWN_KERNELS else "passed on"
 # (rows, inputs, outputs, A transposed, B transposed, the path few_rows.c
 # takes: one name, or (that of the product, that of addmm, which reads C))
-OWN = "streamed" if AVX512 else "padded"
 PRODUCTS = [
     (3, 40, 50, False, True, "tiny"),
     (3, 40, 50, True, False, "tiny"),
@@ -338,7 +342,7 @@ PRODUCTS = [
     (7, 1024, 301, False, True, OWN),  # a group of 4 rows and one of 3
     (12, 1100, 300, False, True, OWN),
     (13, 1024, 300, False, True, OWN),
-    (128, 1024, 300, False, True, "streamed" if AVX512 else "passed on"),
+    (128, 1024, 300, False, True, OWN_OR_PASSED_ON),
     (129, 1024, 300, False, True, "passed on"),
     (3, 300, 1000, False, True, "padded"),  # short rows: up to 2
     (2, 300, 1000, True, True, "passed on"),  # only A B^T streams
@@ -349,9 +353,9 @@ PRODUCTS = [
     (7, 257, 1000, False, False, (OWN, "padded")),
     (12, 300, 1024, False, False, (OWN, "padded")),
     (13, 300, 1000, False, False, (OWN, "padded")),  # more than 8: longer blocks of B
-    (32, 70, 1000, False, False, (OWN, "passed on")),
+    (32, 70, 1000, False, False, (OWN_OR_PASSED_ON, "passed on")),
     (5, 1500, 48, False, False, (OWN, "padded")),  # three vectors, no block of 64
-    (64, 70, 1000, False, False, (OWN, "passed on")),
+    (64, 70, 1000, False, False, (OWN_OR_PASSED_ON, "passed on")),
     (65, 300, 1000, False, False, "passed on"),
     (5, 300, 1000, False, True, "padded"),
     (5, 300, 1000, True, True, "passed on"),  # a transposed A is not padded
@@ -390,3 +394,30 @@ def test_every_path_of_few_rows_computes_the_product(
     # float32 rounding of sums of `inputs` products
     scale = np.abs(a).astype(np.float64) @ np.abs(b) + np.abs(c)
     assert np.abs(product - expected).max() <= 1e-6 * inputs**0.5 * scale.max()
+
+
+@pytest.mark.skipif(not AVX512, reason="this CPU runs only the build without AVX-512")
+def test_every_path_of_few_rows_without_avx512(tmp_path):
+    """The paths above in a build without AVX-512, as on a CPU that lacks it
+    (a Zen 3): the same test in a child process that asks for that build."""
+    if blas.few_rows_counts() is None:
+        pytest.skip(f"few_rows.c is not in use: {blas.status()}")
+    env = {**os.environ, blas.FEW_ROWS_NO_AVX512_ENV: "1", "XDG_CACHE_HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    command += ["-k", "test_every_path_of_few_rows_computes_the_product or own_kernels"]
+    child = subprocess.run(
+        command, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == 0, child.stdout[-3000:]
+    assert f"{1 + 3 * len(PRODUCTS)} passed" in child.stdout, child.stdout[-3000:]
+
+
+def test_few_rows_own_kernels_follow_the_build():
+    """few_rows.c's own kernels run where it was built with AVX-512, and not
+    where it was asked to build without."""
+    if blas.few_rows_counts() is None:
+        pytest.skip(f"few_rows.c is not in use: {blas.status()}")
+    if blas.THREADED_PACKAGE not in blas.status():
+        pytest.skip(f"not the threaded OpenBLAS, whose pool the kernels run on: {blas.status()}")
+    without = os.environ.get(blas.FEW_ROWS_NO_AVX512_ENV, "") not in ("", "0")
+    assert blas.few_rows_own_kernels() == (AVX512 and not without)
