@@ -42,6 +42,23 @@ def quiet_transformers() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
+# MLX multiplies float32 matrices at TF32 precision (10 bits of mantissa) on
+# NVIDIA GPUs and M5-class Apple GPUs unless this is 0 when MLX starts: the
+# text would then be the main model's at TF32, not at float32
+# (docs/how-it-works.md#what-exact-means-on-each-backend).
+TF32_VARIABLE = "MLX_ENABLE_TF32"
+FULL_FLOAT32_NOTE = (
+    f"Float32 products run at full precision: the command sets {TF32_VARIABLE}=0 "
+    "before MLX starts, unless you set it."
+)
+
+
+def full_float32() -> None:
+    """Ask MLX for float32 products at full precision (no TF32) unless the
+    user set ``TF32_VARIABLE``. Call before MLX computes anything."""
+    os.environ.setdefault(TF32_VARIABLE, "0")
+
+
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """Help that ends each option's text with its default, unless it has none
     (None, or off for a flag) or the text already tells it."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 # Before mlx.core: on Linux it loads an optimized BLAS, which MLX binds to only if loaded first.
-import blas  # noqa: F401  # isort: skip
+import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 from mlx import nn
 

@@ -36,9 +36,10 @@ from pathlib import Path
 import numpy as np
 
 # First: the fast BLAS on Linux must load before mlx (see model.py).
-import blas  # noqa: F401  # isort: skip
+import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
+from cache import DecoderCache, compacted_rows
 from cli import SEEDS, is_seed
 from drafting import (
     DRAFT_SOURCES,
@@ -54,7 +55,7 @@ from drafting import (
     pass_times,
     trim_to,
 )
-from model import T5, DecoderCache, ModelArgs, compacted_rows, encoder_passes, load_config
+from model import T5, ModelArgs, encoder_passes, load_config
 from sampling import RowSampling, Sampling, row_key, split_keys, verify
 
 

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 
 # First: the fast BLAS on Linux must load before mlx (see model.py).
-import blas  # noqa: F401  # isort: skip
+import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
-from model import T5, DecoderCache
+from cache import DecoderCache
+from model import T5
 from sampling import RowSampling, Sampling, split_keys
 
 # The most draft tokens "auto" proposes per round.

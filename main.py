@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from cli import (
+    FULL_FLOAT32_NOTE,
     NON_NEGATIVE,
     POSITIVE,
     SEED,
@@ -43,6 +44,7 @@ from cli import (
     add_drafting_options,
     checked,
     format_bytes,
+    full_float32,
     python_command,
     quiet_transformers,
     read_prompt,
@@ -70,7 +72,9 @@ DEFAULT_BATCH_SIZE = 8
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description="Speculative decoding with T5 models in MLX.")
+    parser = ArgumentParser(
+        description="Speculative decoding with T5 models in MLX.", epilog=FULL_FLOAT32_NOTE
+    )
     add = parser.add_argument
     add("--model-name", default="t5-11b", help="main model: converted name or directory")
     add(
@@ -250,7 +254,7 @@ def available_memory() -> int:
 # Peak bytes of encoder self-attention per byte of one block's float32
 # scores (the scores, the mask, softmax's intermediates), measured on the
 # CPU: about 1 to 1.5 in MLX's fused attention (fewer scores than
-# model.SOFTMAX_CPU_MIN_SCORES), 7 to 7.5 through model.softmax_cpu.
+# cpu.attention.SOFTMAX_CPU_MIN_SCORES), 7 to 7.5 through cpu.attention.softmax_cpu.
 FUSED_ATTENTION_PEAK_FACTOR = 1.5
 ATTENTION_PEAK_FACTOR = 8
 # Values per token and unit of d_ff alive in the feed-forward block: its
@@ -270,8 +274,10 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     works over blocks of queries whose scores take at most
     ``model.ENCODER_BLOCK_BYTES``, so memory grows with the prompt, not its
     square) and the feed-forward block's hidden layer."""
+    from cache import KVCache
+    from cpu.attention import SOFTMAX_CPU_MIN_SCORES
     from decoder import MAX_AUTO_DRAFT
-    from model import SOFTMAX_CPU_MIN_SCORES, KVCache, encoder_block_size, load_config
+    from model import encoder_block_size, load_config
 
     args = load_config(path)
     config = json.loads((path / "config.json").read_text())
@@ -460,8 +466,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = read_prompts(args.prompts)
     # mlx, transformers and the models load only once the arguments are known good.
-    # blas first: on Linux it loads an optimized BLAS, which MLX uses only if loaded before it.
-    import blas  # noqa: F401  # isort: skip
+    # cpu first: on Linux it loads an optimized BLAS, which MLX uses only if loaded before it.
+    import cpu  # noqa: F401  # isort: skip
     import mlx.core as mx
 
     from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
@@ -662,6 +668,7 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     previous_handler = signal.signal(signal.SIGINT, stop_at_once)
     quiet_transformers()
+    full_float32()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

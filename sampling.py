@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # First: the fast BLAS on Linux must load before mlx (see model.py).
-import blas  # noqa: F401  # isort: skip
+import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 

@@ -32,12 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cli import (
+    FULL_FLOAT32_NOTE,
     NON_NEGATIVE,
     POSITIVE,
     SEEDS,
     ArgumentParser,
     add_drafting_options,
     checked,
+    full_float32,
     is_seed,
     quiet_transformers,
     resolve_model,
@@ -50,7 +52,8 @@ MAX_STOP_STRINGS = 4
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
-        description="Serve a T5 model with OpenAI's /v1/completions API, speculatively."
+        description="Serve a T5 model with OpenAI's /v1/completions API, speculatively.",
+        epilog=FULL_FLOAT32_NOTE,
     )
     add = parser.add_argument
     add("--model-name", default="t5-11b", help="main model: converted name or directory")
@@ -669,8 +672,8 @@ def prompt_token_limit(paths: list[Path], max_tokens: int, batch_size: int) -> i
 
 def serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
-    # blas first: on Linux it loads an optimized BLAS, which MLX uses only if loaded before it.
-    import blas  # noqa: F401  # isort: skip
+    # cpu first: on Linux it loads an optimized BLAS, which MLX uses only if loaded before it.
+    import cpu  # noqa: F401  # isort: skip
     import uvicorn
 
     from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
@@ -733,6 +736,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_transformers()
+    full_float32()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -55,7 +55,7 @@ from pathlib import Path
 from reporting import format_table, machine_name, pyplot, save_with_legend_below, write_tables
 from workers import Worker
 
-import blas
+from cpu import blas
 
 WARM_UP_TOKENS = 8
 

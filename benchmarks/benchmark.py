@@ -57,8 +57,12 @@ from pathlib import Path
 # The example's modules live one folder up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# An optimized BLAS on Linux: must come before anything imports mlx.
-import blas  # isort: skip
+# Full float32 on every backend (the benchmark checks outputs for
+# identity), then an optimized BLAS on Linux: both before anything imports mlx.
+from cli import full_float32  # isort: skip
+
+full_float32()
+from cpu import blas  # isort: skip
 from batch import peer_threads, run_batches, validate_batches
 from limits import decoder_step_bytes, memory_bandwidth
 from reporting import format_table, pyplot, save_with_legend_below, write_tables

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
-from cli import ArgumentParser
+from cli import ArgumentParser, full_float32
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -317,7 +317,8 @@ def summarize(mode: str, concurrency: int, results: list[dict], seconds: float) 
 
 def library_decoder(args):
     """The pair's decoder in this process, "auto" as the server runs it."""
-    import blas  # noqa: F401  # isort: skip
+    full_float32()  # as the server does, before MLX starts
+    import cpu  # noqa: F401  # isort: skip
 
     from decoder import SpeculativeDecoder, load_tokenizer
     from model import load_model

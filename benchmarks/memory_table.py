@@ -16,7 +16,7 @@ from pathlib import Path
 # The example's modules live one folder up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import blas  # noqa: F401  # isort: skip
+import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from model import ModelArgs, parameter_bytes

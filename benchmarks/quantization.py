@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # An optimized BLAS on Linux: must come before anything imports mlx.
-import blas  # noqa: F401  # isort: skip
+import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 from limits import decoder_step_bytes
 from mlx.utils import tree_flatten

@@ -13,8 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-# Before anything imports mlx (convert does): on Linux it loads an optimized BLAS for MLX.
-import blas  # noqa: F401  # isort: skip
+# Before anything imports mlx (convert does): float32 products at full precision on
+# every backend, as the commands ask (the bounds are float32's), and on Linux an
+# optimized BLAS for MLX.
+from cli import full_float32  # isort: skip
+
+full_float32()
+import cpu  # noqa: F401  # isort: skip
 from fixtures import PARITY_QK_SCALE, build_checkpoint, train_tokenizer
 
 import convert

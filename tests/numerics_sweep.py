@@ -15,7 +15,7 @@ which the tests print on ``numerics:`` lines.
 
 It exits non-zero if any setting fails. Every log is kept in ``--logs``.
 Kernel sets need the CPU's instructions: SkylakeX (AVX-512) cannot run on a
-CPU without them, so it is left out; on Linux only (blas.py loads OpenBLAS
+CPU without them, so it is left out; on Linux only (cpu/blas.py loads OpenBLAS
 there).
 """
 
@@ -88,10 +88,11 @@ def environment(variables: dict[str, str]) -> dict[str, str]:
 
 
 def kernels_in_use(env: dict[str, str]) -> str:
-    """The OpenBLAS kernel set and thread count blas.py's library reports under ``env``:
+    """The OpenBLAS kernel set and thread count cpu/blas.py's library reports under ``env``:
     proof that the setting reached it."""
     probe = (
-        "import ctypes, blas\n"
+        "import ctypes\n"
+        "from cpu import blas\n"
         "path = blas.loaded_library()\n"
         "if path is None:\n"
         "    print(blas.status())\n"

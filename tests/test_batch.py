@@ -21,9 +21,9 @@ from test_sampling_distribution import (
     exact_distribution,
 )
 
+from cache import DecoderCache, KVCache, compacted_rows
 from decoder import SORT_WINDOW, SpeculativeDecoder, iter_rounds, longest_first
 from drafting import HOPELESS_PROBE_EVERY
-from model import DecoderCache, KVCache, compacted_rows
 from sampling import Sampling
 
 # Prompts of very different lengths (3 to about 160 tokens).

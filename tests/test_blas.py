@@ -1,4 +1,4 @@
-"""blas.py: after ``import blas``, MLX's ``cblas_sgemm`` is few_rows.c's, which
+"""cpu/blas.py: after ``import cpu``, MLX's ``cblas_sgemm`` is few_rows.c's, which
 passes products on to the optimized library (or, without few_rows.c, the
 optimized library's own).
 
@@ -25,14 +25,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import blas  # isort: skip  (before mlx, as every entry point does)
+from cpu import blas  # isort: skip  (before mlx, as every entry point does)
 import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="the BLAS loading is Linux-only"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="the BLAS loading is Linux-only"
+    ),
+    pytest.mark.skipif(
+        mx.default_device() != mx.cpu, reason="the CPU backend's BLAS; products run on the GPU here"
+    ),
+]
 
 CHILD = r"""
 import ctypes, json, os, sys
@@ -42,7 +47,7 @@ if sys.argv[2] == "mlx-first":
 elif sys.argv[2] == "readme":  # the README's Python snippet, which never names blas
     from decoder import SpeculativeDecoder, load_tokenizer
     from model import load_model
-import blas
+from cpu import blas
 import mlx.core as mx
 
 # Float32 matmuls through cblas_sgemm, one per path of few_rows.c (tiny,
@@ -97,7 +102,7 @@ print(json.dumps({
 
 THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-# A C compiler: without one, blas.py leaves few_rows.c out.
+# A C compiler: without one, cpu/blas.py leaves few_rows.c out.
 HAS_COMPILER = bool(os.environ.get("CC") or shutil.which("cc"))
 
 
@@ -207,7 +212,7 @@ def test_an_explicit_thread_count_is_kept(tmp_path):
 IDLE_CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
-import blas
+from cpu import blas
 import mlx.core as mx
 
 a = mx.ones((512, 512))
@@ -226,7 +231,7 @@ print(json.dumps({
 def test_openblas_threads_sleep_soon_after_a_product(timeout):
     """OpenBLAS's idle threads spin 2^28 cycles (about 0.1 s) by default
     before they sleep, taking cores that MLX's threads need between
-    products: blas.py loads it with a short timeout, and leaves the
+    products: cpu/blas.py loads it with a short timeout, and leaves the
     environment as it was. A timeout set by the user is kept: 2^30 cycles
     spin through the child's 0.2 s sleep."""
     drop = ("T5_SPEC_NO_BLAS", blas.THREAD_TIMEOUT_ENV, *THREAD_SETTINGS)
@@ -316,7 +321,7 @@ def test_too_late_after_mlx_says_so(tmp_path):
     report, mlx_sgemm, stderr = run_child(tmp_path, order="mlx-first")
     assert report["loaded"] is None
     assert is_bundled(mlx_sgemm), mlx_sgemm
-    assert "import blas before mlx" in stderr
+    assert "import cpu before mlx" in stderr
 
 
 # few_rows.c is compiled for this CPU (or without AVX-512, as the test below

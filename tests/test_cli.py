@@ -385,10 +385,10 @@ runpy.run_path(main_py, run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("module", ["blas", "transformers"])
+@pytest.mark.parametrize("module", ["cpu", "transformers"])
 def test_ctrl_c_while_importing_says_interrupted(module, models, tmp_path):
     """Ctrl-C during the imports: exit status 130 and one "interrupted" line,
-    never a traceback (blas is imported first, transformers last and slowest)."""
+    never a traceback (cpu is imported first, transformers last and slowest)."""
     result = subprocess.run(
         [sys.executable, "-c", INTERRUPTED_AT_IMPORT, module, str(MAIN_PY), *model_args(models)],
         cwd=tmp_path,

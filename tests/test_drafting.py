@@ -7,6 +7,7 @@ import mlx.core as mx
 import pytest
 from fixtures import auto_costs, cheap_drafts, linear_round_costs
 
+from cache import compacted_rows
 from decoder import SpeculativeDecoder
 from drafting import (
     HOPELESS_PROBE_EVERY,
@@ -26,7 +27,6 @@ from drafting import (
     pass_times,
     piecewise_linear,
 )
-from model import compacted_rows
 from sampling import RowSampling, Sampling
 
 PROMPTS = [

@@ -1,11 +1,6 @@
 """The MLX T5 computes the same function as transformers' T5 (torch)."""
 
 import gc
-import itertools
-import subprocess
-import sys
-import time
-import types
 import weakref
 from pathlib import Path
 
@@ -19,6 +14,7 @@ from mlx.utils import tree_flatten
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import model as model_module
+from cpu.attention import SOFTMAX_CPU_MIN_SCORES
 from model import load_model, relative_position_bucket
 
 PARITY_CONFIGS = ["relu_tied", "gated_untied", "deep_decoder", "wide_heads"]
@@ -65,7 +61,7 @@ def transformers_logits(
         )
 
 
-# On the CPU a 150-token prompt's encoder attention takes model.softmax_cpu's
+# On the CPU a 150-token prompt's encoder attention takes cpu.attention's softmax
 # path (2 x 4 heads x 150 x 150 scores), an 11-token one the built-in softmax;
 # "150/37": the encoder attends over blocks of 37 queries (the last shorter),
 # as it does for long prompts, each block's position bias a view of one table.
@@ -77,7 +73,7 @@ def test_logits_match_transformers(
     model = load_model(converted(name))
     vocab_size = model.args.vocab_size
     encoder_scores = 2 * model.args.num_heads * prompt_length**2
-    assert (encoder_scores >= model_module.SOFTMAX_CPU_MIN_SCORES) == (prompt_length == 150)
+    assert (encoder_scores >= SOFTMAX_CPU_MIN_SCORES) == (prompt_length == 150)
     assert 4 * encoder_scores <= model_module.ENCODER_BLOCK_BYTES  # one block unless asked
     if block is not None:
         block_bytes = 4 * 2 * model.args.num_heads * prompt_length * block
@@ -116,35 +112,6 @@ def test_untied_fixture_uses_its_own_output_projection(converted):
     assert not mx.array_equal(model.lm_head.weight, model.shared.weight)
 
 
-def row_major(weight: mx.array) -> bool:
-    """Whether ``weight``'s rows lie one after another in memory."""
-    return np.asarray(weight).flags.c_contiguous
-
-
-def linears(model) -> list:
-    return [m for m in model.modules() if type(m) is model_module.Linear]
-
-
-@pytest.mark.parametrize("name", ["relu_tied", "gated_untied"])
-def test_every_product_form_computes_the_same_function(name, converted):
-    """On the CPU a Linear computes x W^T plainly, streamed as (W x^T)^T, or
-    with W kept transposed in memory (load_model times them and takes the
-    fastest): each is the checkpoint's function within round-off."""
-    plain = load_model(converted(name))  # tiny weights: load_model keeps them plain
-    assert all(not m.streaming and row_major(m.weight) for m in linears(plain))
-    inputs = mx.array(random_ids((2, 9), plain.args.vocab_size, seed=5))
-    decoder_inputs = mx.array(random_ids((2, 7), plain.args.vocab_size, seed=6))
-    expected = np.array(plain(inputs, decoder_inputs))
-    for form in ("streaming", "transposed"):
-        model = load_model(converted(name))
-        for module in linears(model):
-            model_module.use_form(module, form)
-        assert all(row_major(m.weight) == (form != "transposed") for m in linears(model))
-        np.testing.assert_allclose(
-            np.array(model(inputs, decoder_inputs)), expected, rtol=0, atol=CACHE_TOLERANCE
-        )
-
-
 @pytest.mark.parametrize("gated, tied", [(False, True), (True, False)])
 def test_work_per_token_counts_the_weights_each_token_multiplies(gated, tied):
     args = model_module.ModelArgs(
@@ -173,75 +140,59 @@ def test_work_per_token_counts_the_weights_each_token_multiplies(gated, tied):
     assert args.decode_work == decoder + output
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 40), (1, 1, 2), (5, 7, 57), (4, 1, 300)])
-def test_softmax_cpu_is_softmax(shape):
-    """model.softmax_cpu matches softmax in float64, masked scores (-inf) included."""
-    scores = np.random.default_rng(0).normal(scale=20.0, size=shape).astype(np.float32)
-    scores[..., : shape[-1] // 3] = -np.inf  # masked keys, never a whole row
-    got = np.array(model_module.softmax_cpu(mx.array(scores)))
-    exact = np.exp(scores - scores.max(-1, keepdims=True).astype(np.float64))
-    exact /= exact.sum(-1, keepdims=True)
-    np.testing.assert_allclose(got, exact, rtol=4e-6, atol=1e-20)
-
-
-def test_compiled_per_shape_forgets_its_traces_past_its_limit(monkeypatch):
-    """A CompiledPerShape traces each new shape once, and once it holds
-    MAX_TRACED_SHAPES of them starts over, so that MLX's traces of a
-    function compiled per shape do not pile up."""
-    monkeypatch.setattr(model_module, "MAX_TRACED_SHAPES", 3)
+def test_rows_functions_compile_once_for_any_rows():
+    """A RowsFunction traces its function once for every number of rows."""
     traced = []
 
-    def doubled(x):
-        traced.append(x.shape)
-        return 2 * x
-
-    compiled = model_module.CompiledPerShape(doubled)
-    for length in [1, 2, 1, 3, 2, 4, 1]:
-        x = mx.ones((2, length))
-        assert mx.array_equal(compiled(x), 2 * x)
-        assert len(compiled.shapes) <= 3
-    # Traced again: (2, 1) after (2, 4) made a fourth shape.
-    assert traced == [(2, 1), (2, 2), (2, 3), (2, 4), (2, 1)]
-
-
-def test_attention_over_one_key_is_its_value():
-    """Over a single key, attention gives its value, however many scores
-    (here as many as take softmax_cpu's path over more keys)."""
-    queries = mx.array(np.random.default_rng(0).normal(size=(2, 64, 16, 8)).astype(np.float32))
-    values = mx.array(np.random.default_rng(1).normal(size=(2, 64, 1, 8)).astype(np.float32))
-    keys = mx.ones((2, 64, 1, 8))
-    assert 2 * 64 * 16 >= model_module.SOFTMAX_CPU_MIN_SCORES
-    out = model_module.attention(queries, keys, values, mx.zeros((2, 1, 16, 1)))
-    np.testing.assert_allclose(np.array(out), np.broadcast_to(np.array(values), out.shape))
-
-
-def test_rows_functions_compile_once_for_any_rows_on_each_side_of_streaming_rows():
-    """A RowsFunction traces its function once for every number of rows up
-    to STREAMING_ROWS and once for more, where Linear changes form: a
-    shapeless compilation keeps the branches taken at its first call."""
-    traced = []
-
-    def scaled(rows):
+    def doubled(rows):
         traced.append(rows.shape[0])
-        return rows * (1.0 if rows.shape[0] <= model_module.STREAMING_ROWS else 2.0)
+        return 2 * rows
 
-    module = nn.Module()
-    compiled = model_module.RowsFunction(lambda module, rows: scaled(rows), module)
-    few = model_module.STREAMING_ROWS
-    for rows, factor in [(1, 1.0), (3, 1.0), (few, 1.0), (few + 1, 2.0), (few + 9, 2.0), (2, 1.0)]:
+    compiled = model_module.RowsFunction(lambda module, rows: doubled(rows), nn.Module())
+    for rows in [1, 3, 600, 2]:
         x = mx.ones((rows, 4))
-        assert mx.array_equal(compiled(x), factor * x)
-    assert len(traced) == 2
+        assert mx.array_equal(compiled(x), 2 * x)
+    assert len(traced) == 1
 
 
 def test_rows_functions_read_their_modules_weights_at_every_call():
     block = nn.Module()
-    block.linear = model_module.Linear(4, 3)
+    block.linear = nn.Linear(4, 3, bias=False)
     compiled = model_module.RowsFunction(lambda module, rows: module.linear(rows), block)
     x = mx.ones((2, 4))
     mx.eval(compiled(x))
-    block.linear.weight = mx.full((3, 4), 2.0)  # as load_model replaces a weight by its new layout
+    block.linear.weight = mx.full((3, 4), 2.0)  # as cpu.prepare replaces a weight by its new layout
     assert mx.array_equal(compiled(x), mx.full((2, 3), 8.0))
+
+
+@pytest.mark.parametrize("block", [None, 37], ids=["one block", "blocks of 37"])
+def test_encoder_masks_reach_attention_as_plain_arrays(block, converted, monkeypatch):
+    """Every mask the encoder gives attention is an array of its own whose
+    strides all run forwards: cuDNN's fused attention refused the block
+    mask's view of the bias table (a stride of -1) in half precision.
+    (Seen failing with that view.)"""
+    model = load_model(converted("relu_tied"))
+    if block is not None:
+        monkeypatch.setattr(
+            model_module, "ENCODER_BLOCK_BYTES", 4 * 2 * model.args.num_heads * 150 * block
+        )
+    masks = []
+
+    def recording(queries, keys, values, mask):
+        masks.append(mask)
+        return model_module.attention(queries, keys, values, mask)
+
+    model.use_attention(recording)
+    inputs = random_ids((2, 150), model.args.vocab_size, seed=1)
+    mask = np.ones_like(inputs)
+    mask[1, 100:] = 0
+    for padding in (mx.array(mask), None):
+        masks.clear()
+        mx.eval(model.encode(mx.array(inputs), padding))
+        assert len(masks) == model.args.num_layers * (1 if block is None else 5)
+        for each in masks:
+            mx.eval(each)
+            assert min(memoryview(each).strides) >= 0, memoryview(each).strides
 
 
 def test_a_dropped_model_is_freed_at_once(converted):
@@ -258,134 +209,6 @@ def test_a_dropped_model_is_freed_at_once(converted):
         assert layer() is None
     finally:
         gc.enable()
-
-
-def test_the_fastest_form_must_save_a_tenth_over_the_plain_one():
-    fastest = model_module.fastest_form
-    assert fastest({"plain": 1.0, "streaming": 0.85, "transposed": 0.7}) == "transposed"
-    assert fastest({"plain": 1.0, "streaming": 0.89, "transposed": 0.95}) == "streaming"
-    # Near-ties keep the plain form, so two loads on one machine compute alike.
-    assert fastest({"plain": 1.0, "streaming": 0.95, "transposed": 0.92}) == "plain"
-    assert fastest({"plain": 1.0, "transposed": 1.3}) == "plain"
-
-
-def test_form_times_are_per_product_however_many_a_timing_evaluates(monkeypatch):
-    """Each timing evaluates the products of up to TIMED_GRAPH_BYTES of the
-    throwaway weights and reports seconds per product, summed over
-    TIMED_ROWS: with a clock that advances 1 s per reading, each timing
-    takes 1 s for 4 products of a 256 KB weight."""
-    monkeypatch.setattr(model_module, "TIMED_FORM_BYTES", 4 << 20)
-    monkeypatch.setattr(model_module, "TIMED_GRAPH_BYTES", 1 << 20)
-    clock = types.SimpleNamespace(perf_counter=itertools.count().__next__)
-    monkeypatch.setattr(model_module, "time", clock)
-    forms = model_module.PRODUCT_FORMS
-    times = model_module.form_times((256, 256), mx.float32, forms, repeats=3)
-    rows = len(model_module.TIMED_ROWS)
-    assert times == {form: rows * 1 / 4 for form in forms}
-    # A weight over TIMED_GRAPH_BYTES is timed one product at a time.
-    times = model_module.form_times((1024, 512), mx.float32, ("plain",), repeats=3)
-    assert times == {"plain": rows * 1.0}
-
-
-def fake_times_recorded(timed: list):
-    """``form_times`` faked: wide weights fastest transposed, the others
-    streamed; each shape timed is appended to ``timed``."""
-
-    def fake_times(shape, dtype, forms):
-        timed.append(shape)
-        best = "transposed" if shape[0] > shape[1] else "streaming"
-        return {form: 0.5 if form == best else 1.0 for form in forms}
-
-    return fake_times
-
-
-def test_load_model_lays_out_each_shape_in_the_form_timed_fastest(converted, monkeypatch, tmp_path):
-    """load_model gives every float32 weight of a shape the form form_times
-    found fastest for that shape (here faked: wide weights transposed, the
-    others streamed), and the tied embedding, the output projection, its
-    own; a half-precision model keeps the plain form."""
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # fake timings stay in the test
-    monkeypatch.setattr(model_module, "machine_cpu_seconds", lambda: None)  # unknown: quiet
-    monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
-    monkeypatch.setattr(model_module, "form_times", fake_times_recorded([]))
-    model = load_model(converted("relu_tied"))
-    for module in linears(model):
-        wide = module.weight.shape[0] > module.weight.shape[1]
-        assert row_major(module.weight) != wide and module.streaming != wide
-    # The embedding is timed only plain or transposed: [vocabulary, d_model] is wide.
-    assert not row_major(model.shared.weight)
-    half = load_model(converted("relu_tied", "float16"))
-    assert all(row_major(m.weight) and not m.streaming for m in linears(half))
-    assert row_major(half.shared.weight)
-
-
-@pytest.mark.parametrize("writable", [True, False], ids=["cache", "unwritable cache"])
-def test_forms_are_timed_once_per_machine(writable, converted, monkeypatch, tmp_path):
-    """The forms store_for_cpu times are remembered in the cache: a second
-    load times nothing and takes the same forms. Where the cache cannot be
-    written (XDG_CACHE_HOME a file), every load times them, and the file
-    stays as it was."""
-    timed = []
-
-    cache = tmp_path / "cache"
-    if not writable:
-        cache.write_text("mine")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    monkeypatch.setattr(model_module, "machine_cpu_seconds", lambda: None)  # unknown: quiet
-    monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
-    monkeypatch.setattr(model_module, "form_times", fake_times_recorded(timed))
-    loads = [load_model(converted("relu_tied")) for _ in range(2)]
-    shapes = {module.weight.shape for module in linears(loads[0])} | {loads[0].shared.weight.shape}
-    assert len(timed) == len(shapes) * (1 if writable else 2)
-    layouts = [[(row_major(m.weight), m.streaming) for m in linears(model)] for model in loads]
-    assert layouts[0] == layouts[1]
-    if not writable:
-        assert cache.read_text() == "mine"
-
-
-def test_forms_timed_while_other_processes_were_busy_are_not_remembered(
-    converted, monkeypatch, tmp_path
-):
-    """Forms timed while other processes took the CPUs are used by the load
-    that timed them, not written to the cache: the next load times them again."""
-    timed = []
-
-    busy = iter(range(0, 10_000, 10))  # the machine: 10 CPU seconds more at every look
-    monkeypatch.setattr(model_module, "machine_cpu_seconds", lambda: next(busy))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(model_module, "TIMED_FORM_MIN_SIZE", 0)
-    monkeypatch.setattr(model_module, "form_times", fake_times_recorded(timed))
-    loads = [load_model(converted("relu_tied")) for _ in range(2)]
-    shapes = {module.weight.shape for module in linears(loads[0])} | {loads[0].shared.weight.shape}
-    assert len(timed) == 2 * len(shapes)
-    assert not (tmp_path / "t5-spec" / model_module.FORMS_FILE).exists()
-    for model in loads:
-        for module in linears(model):
-            wide = module.weight.shape[0] > module.weight.shape[1]
-            assert row_major(module.weight) != wide and module.streaming != wide
-
-
-def test_this_process_alone_is_not_other_processes(monkeypatch):
-    """This process spinning on a machine whose busy time is all its own
-    leaves the others quiet: its own CPU time is not theirs. (The machine's
-    time is this process's, so that other processes really running, as a
-    test suite beside this one, cannot fail the test.)"""
-    monkeypatch.setattr(model_module, "machine_cpu_seconds", time.process_time)
-    others = model_module.OtherProcesses()
-    end = time.perf_counter() + 0.3
-    while time.perf_counter() < end:
-        pass
-    assert not others.were_busy()
-
-
-@pytest.mark.skipif(model_module.machine_cpu_seconds() is None, reason="no /proc/stat")
-def test_another_process_spinning_makes_the_others_busy():
-    """A child process spinning for 0.5 s, read through /proc/stat."""
-    loop = "import time\nend = time.perf_counter() + 0.5\nwhile time.perf_counter() < end: pass"
-    others = model_module.OtherProcesses()
-    subprocess.run([sys.executable, "-c", loop], check=True, timeout=60)
-    assert others.were_busy()
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])

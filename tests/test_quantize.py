@@ -23,7 +23,7 @@ from test_model import random_ids
 
 import convert
 from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
-from model import T5, Linear, ModelArgs, load_config, load_model, quantizable_layers
+from model import T5, ModelArgs, load_config, load_model, quantizable_layers
 
 # (bits, group size, mode) of the parity tests.
 SETTINGS = [(8, 32, "affine"), (8, 64, "affine"), (4, 32, "affine"), (4, 64, "affine")]
@@ -217,7 +217,7 @@ def test_layers_too_narrow_for_the_group_stay_float(hf_checkpoint, tmp_path, cap
     assert quantized_modules(model) == expected_quantized_layers(model.args) - narrow
     for stack in (model.encoder, model.decoder):
         for layer in stack.layers:
-            assert type(layer.ff.wo) is Linear
+            assert type(layer.ff.wo) is nn.Linear
             assert isinstance(layer.ff.wi, nn.QuantizedLinear)
     assert_within(
         "quantized narrow_ff-4bit-affine-g64", relative_error_to_twin(out), PARITY_TOLERANCE

@@ -1,4 +1,4 @@
-"""Make MLX use an optimized BLAS on Linux: import this module before ``mlx.core``.
+"""Make MLX use an optimized BLAS on Linux: import ``cpu`` before ``mlx.core``.
 
 The Linux ``mlx[cpu]`` wheel links the netlib reference BLAS it bundles
 (``mlx_cpu.libs/libblas-*.so``): a 1024x1024 float32 matmul runs at a few
@@ -6,9 +6,9 @@ GFLOP/s. MLX calls ``cblas_sgemm`` by name, and the dynamic linker resolves
 that name in the process's global scope before it looks at the libraries MLX
 brought along. So an optimized library that exports ``cblas_sgemm`` and is
 loaded with ``RTLD_GLOBAL`` *before* ``mlx.core`` is imported is the one MLX
-calls. Importing this module does that (see :func:`load`)::
+calls. Importing the ``cpu`` package does that (see :func:`load`)::
 
-    import blas  # noqa: F401  (first: it must run before anything imports mlx)
+    import cpu  # noqa: F401  (first: it must run before anything imports mlx)
     import mlx.core as mx
 
 Where the library comes from, first found wins:
@@ -122,8 +122,10 @@ _loaded: str | None = None
 _status = "not attempted"
 _attempted = False
 _few_rows: ctypes.CDLL | None = None
+_openblas: ctypes.CDLL | None = None  # the library few_rows.c passes products on to
 _few_rows_status = ""
 _thread_timeout: str | None = None  # OPENBLAS_THREAD_TIMEOUT when OpenBLAS loaded
+_started_threads: int | None = None  # OpenBLAS's threads before use_threads changed them
 
 
 def loaded_library() -> str | None:
@@ -136,6 +138,29 @@ def num_threads() -> int | None:
     if _loaded is None:
         return None
     return ctypes.CDLL(_loaded).openblas_get_num_threads()
+
+
+# The variables the threaded OpenBLAS reads its thread count from, first found wins.
+THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def use_threads(count: int) -> None:
+    """Compute with ``count`` threads from now on (OpenBLAS and few_rows.c),
+    at most as many as OpenBLAS started with; nothing if the user chose a
+    count (``THREAD_SETTINGS``) or no threaded OpenBLAS is loaded."""
+    global _started_threads
+    if _loaded is None or any(os.environ.get(name) for name in THREAD_SETTINGS):
+        return
+    library = ctypes.CDLL(_loaded)
+    if not hasattr(library, "openblas_set_num_threads"):
+        return
+    _started_threads = _started_threads or num_threads()
+    count = max(1, min(count, _started_threads))
+    library.openblas_set_num_threads(count)
+    if _few_rows is not None:
+        pool = getattr(_openblas, "gotoblas_pthread", None)
+        threads = count if pool is not None else 1
+        _few_rows.few_rows_use(_openblas.cblas_sgemm, _openblas.cblas_sgemv, pool, threads)
 
 
 def status() -> str:
@@ -203,7 +228,7 @@ def _load_few_rows(openblas: ctypes.CDLL) -> None:
     """Compile ``few_rows.c``, load it with ``RTLD_GLOBAL`` and hand it
     ``openblas``'s functions; on failure, say why in the status and leave
     MLX to call OpenBLAS directly."""
-    global _few_rows, _few_rows_status
+    global _few_rows, _few_rows_status, _openblas
     if os.environ.get(FEW_ROWS_DISABLE_ENV, "") not in ("", "0"):
         _few_rows_status = (
             f"; {FEW_ROWS_DISABLE_ENV} is set: few-row products as OpenBLAS does them"
@@ -229,7 +254,7 @@ def _load_few_rows(openblas: ctypes.CDLL) -> None:
     pool = getattr(openblas, "gotoblas_pthread", None)
     threads = openblas.openblas_get_num_threads() if pool is not None else 1
     few_rows.few_rows_use(openblas.cblas_sgemm, openblas.cblas_sgemv, pool, threads)
-    _few_rows = few_rows
+    _few_rows, _openblas = few_rows, openblas
     _few_rows_status = "; few-row products by few_rows.c"
 
 
@@ -245,10 +270,11 @@ def cache_directory() -> Path | None:
 
 @functools.cache  # fixed once blas has loaded: one hash per process, not per weight shape
 def machine_key() -> str:
-    """A hash of what decides how fast a product runs here: the CPU, the
-    BLAS MLX calls, its thread count, kernels (``OPENBLAS_CORETYPE``) and
-    idle threads' timeout, few_rows.c's build and MLX's version. It names
-    timings kept in the cache (``model.store_for_cpu``)."""
+    """A hash of what decides how fast a product runs here, its thread
+    count aside (which ``use_threads`` may change): the CPU, the BLAS MLX
+    calls, its kernels (``OPENBLAS_CORETYPE``) and idle threads' timeout,
+    few_rows.c's build and MLX's version. It names timings kept in the
+    cache (``cpu.forms.store_for_cpu``)."""
     import importlib.metadata
 
     few_rows = _few_rows._name if _few_rows is not None else None
@@ -257,7 +283,6 @@ def machine_key() -> str:
     parts = (
         _cpu_identity(),
         status(),
-        num_threads(),
         kernels,
         few_rows,
         mlx_version,
@@ -443,8 +468,8 @@ def load() -> str | None:
         _status = f"{DISABLE_ENV} is set: MLX's bundled reference BLAS"
         return None
     if "mlx.core" in sys.modules:
-        _status = "mlx.core was imported before blas: MLX's bundled reference BLAS"
-        _say(f"{_status}; import blas before mlx for the optimized BLAS")
+        _status = "mlx.core was imported before cpu: MLX's bundled reference BLAS"
+        _say(f"{_status}; import cpu before mlx for the optimized BLAS")
         return None
     sources = (
         (_from_threaded_package, f"OpenBLAS from the {THREADED_PACKAGE} package"),
