@@ -255,6 +255,7 @@ def available_memory() -> int:
 # scores (the scores, the mask, softmax's intermediates), measured on the
 # CPU: about 1 to 1.5 in MLX's fused attention (fewer scores than
 # cpu.attention.SOFTMAX_CPU_MIN_SCORES), 7 to 7.5 through cpu.attention.softmax_cpu.
+# A GPU's attention is always the fused one (its peak there not measured).
 FUSED_ATTENTION_PEAK_FACTOR = 1.5
 ATTENTION_PEAK_FACTOR = 8
 # Values per token and unit of d_ff alive in the feed-forward block: its
@@ -274,6 +275,8 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     works over blocks of queries whose scores take at most
     ``model.ENCODER_BLOCK_BYTES``, so memory grows with the prompt, not its
     square) and the feed-forward block's hidden layer."""
+    import mlx.core as mx
+
     from cache import KVCache
     from cpu.attention import SOFTMAX_CPU_MIN_SCORES
     from decoder import MAX_AUTO_DRAFT
@@ -292,7 +295,7 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     attention_values = prompt_tokens * inner * (4 if block_size == prompt_tokens else 8)
     scores = args.num_heads * block_size * prompt_tokens
     factor = FUSED_ATTENTION_PEAK_FACTOR
-    if scores >= SOFTMAX_CPU_MIN_SCORES:
+    if mx.default_device() == mx.cpu and scores >= SOFTMAX_CPU_MIN_SCORES:
         factor = ATTENTION_PEAK_FACTOR
     attention = attention_values * value_bytes + factor * 4 * scores
     gated = args.feed_forward_proj.startswith("gated-")

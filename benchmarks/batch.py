@@ -390,7 +390,10 @@ def run_batches(args, prompts: list[str], decoder, model_path, draft_path) -> in
     rows = make_rows(totals, len(prompts))
     machine = machine_name()
     threads = blas.num_threads()
-    print(f"machine: {machine}; MLX {mx.__version__} on {threads or 'its own'} BLAS threads")
+    device = str(mx.default_device())
+    print(
+        f"machine: {machine}; MLX {mx.__version__} on {device}, {threads or 'its own'} BLAS threads"
+    )
     for label, ready in peers.items():
         print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in ready.items() if k != "ready"))
     print(f"{len(prompts)} prompts, at most {args.max_tokens} tokens each; {args.repeats} repeats")
@@ -402,6 +405,7 @@ def run_batches(args, prompts: list[str], decoder, model_path, draft_path) -> in
     extra = {
         "machine": machine,
         "mlx": mx.__version__,
+        "mlx_device": device,
         "blas": blas.loaded_library(),
         "blas_threads": threads,
         "peers": peers,

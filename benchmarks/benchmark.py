@@ -505,6 +505,7 @@ def compare_with_transformers(args, prompts, decoder, num_draft: int) -> dict:
         "prompt_vs_transformers": prompt_speeds["ours"] / prompt_speeds["transformers"],
         "num_draft": num_draft,
         "torch_threads": worker.ready["torch_threads"],
+        "transformers_device": worker.ready.get("device", "cpu"),
         "regular_vs_transformers_greedy": speeds["ours_regular"] / speeds["greedy"],
         "speculative_vs_transformers_assisted": speeds["ours_speculative"] / speeds["assisted"],
         "greedy_tokens_match": f"{matches}/{len(prompts)}",
@@ -581,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         "auto_round_costs": round_costs,
         "blas": blas.loaded_library(),
         "blas_threads": blas.num_threads(),
+        "mlx_device": str(mx.default_device()),
         "machine": machine,
     }
     if args.compare_hf:

@@ -4,12 +4,14 @@
     python benchmarks/transformers_worker.py --batch HF_MODEL THREADS
 
 benchmark.py loads an OpenBLAS into its process's global symbol scope for
-MLX (``blas.py``). torch exports the ``sgemm_`` of the MKL it carries, and
+MLX (``cpu/blas.py``). torch exports the ``sgemm_`` of the MKL it carries, and
 the OpenBLAS loaded first takes precedence over it, so torch in that process
 computes on the OpenBLAS from inside its own threads, several times slower
 (measured: 9.5 against 34 greedy tokens/s on the benchmark pair's main
-model). This worker never imports ``blas`` or ``mlx``, so transformers runs
-as a user would run it. THREADS 0 leaves torch's default.
+model). This worker never imports ``cpu`` or ``mlx``, so transformers runs
+as a user would run it. THREADS 0 leaves torch's default. Where torch sees
+a CUDA GPU, the models and inputs go there (the peer of MLX's CUDA
+backend), and each timing waits for the GPU's work to finish.
 
 The first form prints ``ready`` once the models are loaded and warmed up,
 then answers every line of standard input (a prompt, JSON-encoded) with one
@@ -33,8 +35,25 @@ import time
 from workers import cut_at_eos, send, serve_batches
 
 
+def device() -> str:
+    """Where torch computes: the GPU if it sees one."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def finished() -> float:
+    """``time.perf_counter()`` once the GPU's queued work is done (at once on the CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def load(hf_model: str, threads: str):
-    """The tokenizer and the model, in inference mode, on ``threads`` torch threads."""
+    """The tokenizer and the model, in inference mode, on ``threads`` torch
+    threads, on ``device()``."""
     import torch
     from transformers import AutoTokenizer, T5ForConditionalGeneration
     from transformers.utils import logging as hf_logging
@@ -45,7 +64,7 @@ def load(hf_model: str, threads: str):
     if int(threads):
         torch.set_num_threads(int(threads))
     tokenizer = AutoTokenizer.from_pretrained(hf_model)
-    return tokenizer, T5ForConditionalGeneration.from_pretrained(hf_model).eval()
+    return tokenizer, T5ForConditionalGeneration.from_pretrained(hf_model).eval().to(device())
 
 
 GREEDY = {"do_sample": False, "num_beams": 1}
@@ -57,26 +76,26 @@ def serve_single(hf_model: str, hf_draft: str, threads: str, num_draft: str, max
     from transformers import T5ForConditionalGeneration
 
     tokenizer, main_model = load(hf_model, threads)
-    draft = T5ForConditionalGeneration.from_pretrained(hf_draft).eval()
+    draft = T5ForConditionalGeneration.from_pretrained(hf_draft).eval().to(device())
     draft.generation_config.num_assistant_tokens = int(num_draft)
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     options = {"max_new_tokens": int(max_tokens), **GREEDY}
     eos = main_model.config.eos_token_id
-    main_model.generate(**tokenizer("warm up", return_tensors="pt"), **options)
-    send({"ready": True, "torch_threads": torch.get_num_threads()})
+    main_model.generate(**tokenizer("warm up", return_tensors="pt").to(device()), **options)
+    send({"ready": True, "torch_threads": torch.get_num_threads(), "device": device()})
     for line in sys.stdin:
         prompt = json.loads(line)
         start = time.perf_counter()
-        inputs = tokenizer(prompt, return_tensors="pt")
+        inputs = tokenizer(prompt, return_tensors="pt").to(device())
         main_model.get_encoder()(**inputs)
         answer = {
-            "prompt_time": time.perf_counter() - start,
+            "prompt_time": finished() - start,
             "prompt_tokens": inputs.input_ids.shape[1],
         }
         for name, extra in (("greedy", {}), ("assisted", {"assistant_model": draft})):
             start = time.perf_counter()
             output = main_model.generate(**inputs, **options, **extra)[0, 1:].tolist()
-            answer[f"{name}_time"] = time.perf_counter() - start
+            answer[f"{name}_time"] = finished() - start
             answer[f"{name}_tokens"] = cut_at_eos(output, eos)
         send(answer)
 
@@ -93,14 +112,14 @@ def serve_batch(hf_model: str, threads: str):
         for first in range(0, len(prompts), batch_size):
             inputs = tokenizer(
                 prompts[first : first + batch_size], return_tensors="pt", padding=True
-            )
+            ).to(device())
             generated = model.generate(**inputs, max_new_tokens=max_tokens, **GREEDY)
             outputs += generated[:, 1:].tolist()  # without the start token
         return outputs
 
     generate(["warm up"], 1, 4)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    ready = {"torch_threads": torch.get_num_threads(), **versions}
+    ready = {"torch_threads": torch.get_num_threads(), "device": device(), **versions}
     serve_batches(generate, model.config.eos_token_id, ready)
 
 

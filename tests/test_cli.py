@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import io
 import json
 import os
@@ -26,7 +27,7 @@ from fixtures import train_tokenizer
 
 import convert
 import main as main_module
-from cli import python_command
+from cli import TF32_VARIABLE, python_command
 from decoder import GenerationResult, SpeculativeDecoder, load_tokenizer
 from model import load_model
 
@@ -455,6 +456,37 @@ def test_help_shows_the_defaults():
     for default in ("t5-11b", "t5-small", "5", "100", "0.0", "1.0", "0"):
         assert f"(default: {default})" in help_text
     assert "(default: None)" not in help_text and "(default: False)" not in help_text
+
+
+@pytest.mark.parametrize("command", ["main", "server"])
+@pytest.mark.parametrize("user_setting", [None, "1"])
+def test_commands_ask_for_full_float32_unless_the_user_chose(command, user_setting, monkeypatch):
+    """main.py and server.py set MLX_ENABLE_TF32=0 before they run (MLX on
+    NVIDIA and M5-class GPUs multiplies float32 at TF32 precision without
+    it), keep a value the user set, and say so in their help."""
+    module = importlib.import_module(command)
+    seen = []
+    runner = "run" if command == "main" else "serve"
+    monkeypatch.setattr(
+        module, runner, lambda args: seen.append(os.environ.get(TF32_VARIABLE)) or 0
+    )
+    if user_setting is None:
+        monkeypatch.delenv(TF32_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(TF32_VARIABLE, user_setting)
+    assert module.main(["--model-name", "any"]) == 0
+    assert seen == [user_setting or "0"]
+    assert "MLX_ENABLE_TF32=0" in " ".join(module.build_parser().format_help().split())
+
+
+def test_the_commands_import_no_mlx_before_they_run():
+    """Importing main and server loads no MLX, so the setting above comes
+    before MLX starts."""
+    probe = "import sys; import main, server; print('mlx.core' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
 
 
 def test_model_names_resolve_under_mlx_models(models, greedy_reference, tmp_path):
