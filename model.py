@@ -213,8 +213,8 @@ class BlockMask:
             (0, width, -1, 1),
             offset=self.length - 1 - start,
         )
-        bias = mx.contiguous(bias)
-        return bias if self.padding is None else bias + self.padding
+        # The sum with the padding is an array of its own; the view alone is copied.
+        return mx.contiguous(bias) if self.padding is None else bias + self.padding
 
     def attend(
         self, attention: AttentionFunction, queries: mx.array, keys: mx.array, values: mx.array
