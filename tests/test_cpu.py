@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx import nn
-from test_model import CACHE_TOLERANCE, random_ids
+from test_model import CACHE_TOLERANCE, random_ids, tiny_args
 
 import cpu
 import cpu.attention as cpu_attention
@@ -39,19 +39,9 @@ def linears(model) -> list:
 def test_loading_gives_every_attention_the_cpus():
     """cpu.prepare, which load_model calls, gives each attention of the
     model the CPU's attention function."""
-    model = model_module.T5(
-        model_module.ModelArgs(
-            vocab_size=64,
-            d_model=16,
-            d_kv=4,
-            d_ff=32,
-            num_layers=2,
-            num_decoder_layers=1,
-            num_heads=2,
-        )
-    )
+    model = model_module.T5(tiny_args())
     attentions = [m for m in model.modules() if isinstance(m, model_module.Attention)]
-    assert len(attentions) == 2 + 2 and all(
+    assert len(attentions) == 3 + 2 * 2 and all(
         a.attention is model_module.attention for a in attentions
     )
     cpu.prepare(model)

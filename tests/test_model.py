@@ -112,19 +112,15 @@ def test_untied_fixture_uses_its_own_output_projection(converted):
     assert not mx.array_equal(model.lm_head.weight, model.shared.weight)
 
 
+def tiny_args(**changes) -> model_module.ModelArgs:
+    """The hyper-parameters of a tiny T5 built in memory, never trained."""
+    sizes = {"vocab_size": 100, "d_model": 16, "d_kv": 4, "d_ff": 32, "num_heads": 2}
+    return model_module.ModelArgs(**sizes, num_layers=3, num_decoder_layers=2, **changes)
+
+
 @pytest.mark.parametrize("gated, tied", [(False, True), (True, False)])
 def test_work_per_token_counts_the_weights_each_token_multiplies(gated, tied):
-    args = model_module.ModelArgs(
-        vocab_size=100,
-        d_model=16,
-        d_kv=4,
-        d_ff=32,
-        num_layers=3,
-        num_decoder_layers=2,
-        num_heads=2,
-        feed_forward_proj="gated-gelu" if gated else "relu",
-        tie_word_embeddings=tied,
-    )
+    args = tiny_args(feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=tied)
     sizes = {name: weight.size for name, weight in tree_flatten(model_module.T5(args).parameters())}
     products = {name: size for name, size in sizes.items() if "proj" in name or ".ff.w" in name}
     prompt_side = ("cross_attn.key_proj", "cross_attn.value_proj")
