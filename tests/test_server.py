@@ -29,33 +29,54 @@ NUM_DRAFT = 3
 MAX_NEW = 12
 
 
-def start_server(converted_pair, *options: str, key: str | None = API_KEY) -> tuple:
-    """Start server.py on a free port (the system's pick); (process, base URL)."""
+def server_command(converted_pair, *options: str) -> list[str]:
+    """The command line of server.py for the test pair, on a free port."""
     main_dir, draft_dir = converted_pair
     command = [sys.executable, str(ROOT / "server.py"), "--model-name", str(main_dir)]
     command += ["--draft-model-name", str(draft_dir), "--num-draft", str(NUM_DRAFT)]
-    command += ["--port", "0", "--quiet", *options]
+    return command + ["--port", "0", *options]
+
+
+def start_server(
+    converted_pair, *options: str, key: str | None = API_KEY, quiet: bool = True
+) -> tuple:
+    """Start server.py on a free port (the system's pick); (process, base
+    URL). ``process.stderr_lines`` collects its standard error."""
+    command = server_command(converted_pair, *options, *(["--quiet"] if quiet else []))
     env = dict(os.environ)
     env.pop("T5_SERVER_API_KEY", None)
     if key:
         command += ["--api-key", key]
     process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+        command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    lines = []
+    lines = process.stderr_lines = []
+    process.stdout_lines = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # ready when it prints its address
         line = process.stderr.readline()
         lines.append(line)
         found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
         if found:
-            # Keep reading standard error, so that the server never blocks on it.
-            threading.Thread(target=process.stderr.read, daemon=True).start()
+            # Keep reading its output, so that the server never blocks on it.
+            process.readers = [
+                threading.Thread(target=out.extend, args=(stream,), daemon=True)
+                for out, stream in ((lines, process.stderr), (process.stdout_lines, process.stdout))
+            ]
+            for reader in process.readers:
+                reader.start()
             return process, found.group(1)
         if not line and process.poll() is not None:
             break
     stop_server(process)
     pytest.fail("the server did not start: " + "".join(lines))
+
+
+def output_after_exit(process) -> tuple[str, str]:
+    """(standard output, standard error) of a server that has exited."""
+    for reader in process.readers:
+        reader.join(timeout=10)
+    return "".join(process.stdout_lines), "".join(process.stderr_lines)
 
 
 def stop_server(process) -> int:
@@ -81,23 +102,37 @@ def reference(decoding_pair):
     return SpeculativeDecoder(*decoding_pair, num_draft=NUM_DRAFT)
 
 
-def post(url: str, body, path="/v1/completions", key=API_KEY, **kwargs) -> httpx.Response:
+def post(
+    url: str, body, path="/v1/completions", key=API_KEY, timeout: float = TIMEOUT
+) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return httpx.post(url + path, content=content, headers=headers, timeout=TIMEOUT, **kwargs)
+    return httpx.post(url + path, content=content, headers=headers, timeout=timeout)
 
 
-def stream_texts(url: str, body: dict) -> list[str]:
-    """A streamed completion's texts per choice, put together from its events."""
-    texts, finished = {}, {}
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream(
+def open_stream(url: str, body: dict, key: str | None = API_KEY):
+    """A streamed completion's response, as a context manager."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.stream(
         "POST",
         url + "/v1/completions",
         json={**body, "stream": True},
         headers=headers,
         timeout=TIMEOUT,
-    ) as response:
+    )
+
+
+def stream_events(url: str, body: dict) -> list[str]:
+    """The data lines of a streamed completion."""
+    with open_stream(url, body) as response:
+        assert response.status_code == 200
+        return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def stream_texts(url: str, body: dict) -> list[str]:
+    """A streamed completion's texts per choice, put together from its events."""
+    texts, finished = {}, {}
+    with open_stream(url, body) as response:
         assert response.status_code == 200
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -114,22 +149,23 @@ def test_the_openai_client_gets_the_main_models_text(server, reference, converte
     from openai import OpenAI
 
     client = OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
+    model = str(converted_pair[0])
     alone = reference.generate(PROMPTS[1], max_tokens=MAX_NEW)
     expected = alone.text
     completion = client.completions.create(
-        model="main", prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0
+        model=model, prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0
     )
     assert completion.choices[0].text == expected
     assert completion.usage.completion_tokens == len(alone.tokens)
     assert completion.usage.prompt_tokens == alone.prompt_tokens
     assert completion.choices[0].finish_reason in ("stop", "length")
     streamed = client.completions.create(
-        model="main", prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0, stream=True
+        model=model, prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0, stream=True
     )
     chunks = list(streamed)
     assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected
     with_usage = client.completions.create(
-        model="main",
+        model=model,
         prompt=PROMPTS[1],
         max_tokens=MAX_NEW,
         stream=True,
@@ -137,7 +173,9 @@ def test_the_openai_client_gets_the_main_models_text(server, reference, converte
     )
     assert [c.usage.completion_tokens for c in with_usage if c.usage] == [len(alone.tokens)]
     models = client.models.list()
-    assert [m.id for m in models.data] == [str(p) for p in converted_pair]
+    assert [m.id for m in models.data] == [model]
+    assert models.data[0].draft_model == str(converted_pair[1])
+    assert client.models.retrieve(model).id == model
 
 
 def test_concurrent_requests_each_get_their_own_text(server, reference):
@@ -190,11 +228,8 @@ def test_a_seeded_request_gets_its_text_alone_and_among_others(server, reference
 
 def test_a_client_that_leaves_frees_its_row(server, reference):
     before = httpx.get(server + "/health", timeout=TIMEOUT).json()
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"prompt": PROMPTS[2], "max_tokens": 64, "stream": True, "stop": "zzzz-never"}
-    with httpx.stream(
-        "POST", server + "/v1/completions", json=body, headers=headers, timeout=TIMEOUT
-    ) as response:
+    body = {"prompt": PROMPTS[2], "max_tokens": 64, "stop": "zzzz-never"}
+    with open_stream(server, body) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break  # leave after the first event
@@ -359,3 +394,38 @@ def test_the_soak_finds_nothing_lost_duplicated_or_mismatched(converted_pair, tm
     for failure in ("lost", "duplicated", "mismatched", "bad with the wrong status"):
         assert report[failure] == 0, failure
     assert report["health"]["active"] == report["health"]["waiting"] == 0
+
+
+def health_when(url: str, condition, seconds: float = 60) -> dict:
+    """/health once ``condition(health)`` holds, or as it is after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        health = httpx.get(url + "/health", timeout=TIMEOUT).json()
+        if condition(health) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.02)  # polling, not waiting for something to happen by then
+
+
+# A request that decodes far longer than a client waits: 8 rows of 512 tokens.
+LONG = {"prompt": [PROMPTS[2]] * 8, "max_tokens": 512}
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_times_out_frees_its_rows(server, streaming):
+    """A client that gives up after 0.5 s, as one with a timeout does:
+    its request is cancelled (not completed), every row freed."""
+    before = httpx.get(server + "/health", timeout=TIMEOUT).json()
+    started = time.monotonic()
+    if streaming:  # a total deadline: events keep coming, so no read times out
+        with open_stream(server, LONG) as response:
+            for _ in response.iter_lines():
+                if time.monotonic() - started > 0.5:
+                    break
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, LONG, timeout=0.5)
+    health = health_when(server, lambda h: h["cancelled"] > before["cancelled"])
+    assert health["cancelled"] == before["cancelled"] + 1
+    assert health["completed"] == before["completed"]
+    assert health_when(server, lambda h: h["active"] == h["waiting"] == 0)["active"] == 0
+    assert post(server, GOOD).status_code == 200
