@@ -541,11 +541,16 @@ def completion_body(job: Job, request_id: str, model: str, created: int, stream_
             "finish_reason": choice.finish_reason,
         }
         if stream_texts is None and result is not None:
-            # The speculative figures, named as LM Studio reports them.
+            # The speculative figures, named as LM Studio reports them: a
+            # round's draft tokens after its rejected one (or the draft's end
+            # of sequence) are never tested, so they are ignored.
             entry["stats"] = {
                 "total_draft_tokens_count": result.n_draft,
                 "accepted_draft_tokens_count": result.n_accepted,
                 "rejected_draft_tokens_count": result.n_rejected,
+                "ignored_draft_tokens_count": result.n_draft
+                - result.n_accepted
+                - result.n_rejected,
             }
         choices.append(entry)
     body = {

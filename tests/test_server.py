@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -281,6 +282,16 @@ BAD_REQUESTS = [
     ("n = 2", {**GOOD, "n": 2}, 400, "n"),
     ("stream as text", {**GOOD, "stream": "yes"}, 400, "stream"),
     ("prompt too long", {"prompt": "the dog " * 1000}, 400, "prompt"),
+    ("prompt too long in a list", {"prompt": ["a", "the dog " * 1000]}, 400, "prompt"),
+    ("more prompts than the server holds", {**GOOD, "prompt": ["a"] * 73}, 400, "prompt"),
+    ("logit_bias", {**GOOD, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("presence_penalty", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("frequency_penalty", {**GOOD, "frequency_penalty": -1}, 400, "frequency_penalty"),
+    ("suffix", {**GOOD, "suffix": " the end"}, 400, "suffix"),
+    ("echo", {**GOOD, "echo": True}, 400, "echo"),
+    ("unknown parameter", {**GOOD, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("model a number", {**GOOD, "model": 3}, 400, "model"),
+    ("user a number", {**GOOD, "user": 3}, 400, "user"),
 ]
 
 
@@ -293,7 +304,40 @@ def test_bad_input_gets_a_json_error_and_the_server_goes_on(case, body, status, 
     error = response.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
     assert error["param"] == param
+    if param and param != "prompt":
+        assert param in error["message"]  # named, not just flagged
     assert post(server, GOOD).status_code == 200
+
+
+def test_the_errors_say_which_prompt_and_what_limit(server):
+    too_long = post(server, {"prompt": ["a", "the dog " * 1000]}).json()["error"]["message"]
+    assert too_long.startswith("prompt 1 has ") and "1000" in too_long
+    too_many = post(server, {**GOOD, "prompt": ["a"] * 73}).json()["error"]["message"]
+    assert "at most 72" in too_many  # --max-batch-size 8 + --max-waiting 64
+
+
+def test_parameters_at_their_neutral_values_are_taken(server, reference, converted_pair):
+    neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}
+    neutral |= {"suffix": None, "n": 1, "echo": False, "user": "someone"}
+    body = {"prompt": PROMPTS[1], "max_tokens": MAX_NEW, "model": str(converted_pair[0])}
+    response = post(server, {**body, **neutral})
+    assert response.status_code == 200, response.text
+    expected = reference.generate(PROMPTS[1], max_tokens=MAX_NEW).text
+    assert response.json()["choices"][0]["text"] == expected
+
+
+def test_a_model_not_served_is_not_found(server, converted_pair):
+    for name in ("gpt-4", str(converted_pair[1])):  # the draft only proposes tokens: not served
+        response = post(server, {**GOOD, "model": name})
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["code"] == "model_not_found"
+        found = httpx.get(
+            f"{server}/v1/models/{name}",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=TIMEOUT,
+        )
+        assert found.status_code == 404
+        assert found.json()["error"]["code"] == "model_not_found"
 
 
 def test_wrong_paths_methods_size_and_keys(server):
@@ -318,6 +362,7 @@ def test_wrong_paths_methods_size_and_keys(server):
         (post(server, {"prompt": "a" * 2_000_000}), 413),
         (post(server, GOOD, key=None), 401),
         (post(server, GOOD, key="wrong"), 401),
+        (post(server, GOOD, key=f"{API_KEY} extra"), 401),
     ]
     for response, status in cases:
         assert response.status_code == status, response.text
@@ -325,6 +370,8 @@ def test_wrong_paths_methods_size_and_keys(server):
     assert "/v1/completions" in cases[2][0].json()["error"]["message"]
     assert httpx.get(server + "/health", timeout=TIMEOUT).status_code == 200  # no key needed
     assert post(server, GOOD).status_code == 200
+    lowercase = {"Authorization": f"bearer {API_KEY}"}  # the scheme is case-insensitive
+    assert httpx.post(server + "/v1/completions", json=GOOD, headers=lowercase).status_code == 200
 
 
 def test_sigterm_lets_a_running_request_finish(converted_pair, reference):
@@ -429,3 +476,131 @@ def test_a_client_that_times_out_frees_its_rows(server, streaming):
     assert health["completed"] == before["completed"]
     assert health_when(server, lambda h: h["active"] == h["waiting"] == 0)["active"] == 0
     assert post(server, GOOD).status_code == 200
+
+
+def test_the_draft_stats_add_up(server):
+    body = {"prompt": PROMPTS[:6], "max_tokens": MAX_NEW}
+    stats = [choice["stats"] for choice in post(server, body).json()["choices"]]
+    for counts in stats:
+        parts = ("accepted", "rejected", "ignored")
+        total = sum(counts[f"{part}_draft_tokens_count"] for part in parts)
+        assert total == counts["total_draft_tokens_count"], counts
+    assert any(counts["ignored_draft_tokens_count"] for counts in stats)  # not vacuous
+
+
+def test_held_back_is_what_may_still_become_a_stop_string():
+    from server import held_back
+
+    assert held_back("the end of it", ["STOP"]) == 0
+    assert held_back("the end ST", ["STOP"]) == 2
+    assert held_back("the end S", ["xx", "STOP"]) == 1
+    assert held_back("aaa", ["aaaa"]) == 3
+    assert held_back("abc", []) == 0
+
+
+def test_a_stop_string_that_never_comes_holds_nothing_back(server):
+    """As many chunks with a long stop string that never appears as without."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 40}
+    plain = stream_events(server, body)
+    with_stop = stream_events(server, {**body, "stop": "\N{SNOWMAN}" * 200})
+    assert len(with_stop) == len(plain) > 5
+    assert stream_texts(server, {**body, "stop": "\N{SNOWMAN}" * 200}) == stream_texts(server, body)
+
+
+def test_statuses_say_whether_waiting_helps(converted_pair):
+    """--max-batch-size 2 --max-waiting 2: 10 requests at once, 4 taken and 6
+    told to retry (429); more prompts than 4 in one request is a 400."""
+    process, url = start_server(
+        converted_pair, "--max-batch-size", "2", "--max-waiting", "2", key=None
+    )
+    try:
+        too_many = post(url, {**GOOD, "prompt": ["a"] * 5}, key=None)
+        assert too_many.status_code == 400 and "at most 4" in too_many.json()["error"]["message"]
+        statuses = []
+        all_answered = threading.Barrier(10, timeout=60)
+
+        def send() -> None:
+            with open_stream(url, {"prompt": PROMPTS[2], "max_tokens": 512}, key=None) as response:
+                statuses.append(response.status_code)
+                all_answered.wait()  # the taken ones still decode meanwhile
+
+        with ThreadPoolExecutor(max_workers=10) as pool:
+            for future in [pool.submit(send) for _ in range(10)]:
+                future.result()
+        assert sorted(statuses) == [200] * 4 + [429] * 6
+        assert health_when(url, lambda h: h["active"] == h["waiting"] == 0)["active"] == 0
+        assert post(url, GOOD, key=None).status_code == 200  # the wait helped
+    finally:
+        stop_server(process)
+
+
+def test_shutdown_past_its_timeout_answers_every_request(converted_pair):
+    """SIGTERM with --shutdown-timeout 0 during a stream and a whole request
+    waiting behind it: an error event and [DONE] for one, a JSON 503 for the
+    other, exit status
+    0, no traceback; the access log went to standard error, not output."""
+    process, url = start_server(converted_pair, "--shutdown-timeout", "0", key=None, quiet=False)
+    try:
+        streaming = threading.Event()
+
+        def stream() -> list[str]:
+            with open_stream(url, LONG, key=None) as response:
+                events = []
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+                        streaming.set()
+                return events
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            streamed = pool.submit(stream)
+            assert streaming.wait(timeout=60)
+            whole = pool.submit(post, url, LONG, key=None)  # waits for the stream's rows
+            assert health_when(url, lambda h: h["requests"] == 2)["requests"] == 2
+            process.send_signal(signal.SIGTERM)
+            response, events = whole.result(), streamed.result()
+        assert response.status_code == 503, response.text[:300]
+        assert "shutting down" in response.json()["error"]["message"]
+        assert events[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+        assert process.wait(timeout=60) == 0
+        stdout, stderr = output_after_exit(process)
+        assert stdout == ""
+        assert '"POST /v1/completions HTTP/1.1" 503' in stderr
+        assert "Traceback" not in stderr and "Exception" not in stderr, stderr
+    finally:
+        stop_server(process)
+
+
+def test_a_busy_port_is_an_error_before_loading(converted_pair):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        command = server_command(converted_pair, "--quiet")
+        command[command.index("--port") + 1] = port
+        run = subprocess.run(
+            command, check=False, capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+    assert run.returncode == 1
+    assert run.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: "), run.stderr
+    assert "Loading" not in run.stderr and len(run.stderr.splitlines()) == 1
+
+
+def test_the_help_shows_the_defaults_and_describes_the_soak():
+    server_help = subprocess.run(
+        [sys.executable, str(ROOT / "server.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert re.search(
+        r"--port PORT\s+port to listen on; 0: a free one \(default: 8080\)", server_help
+    )
+    load_help = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert "see above" not in load_help and "--soak N" in load_help
