@@ -839,13 +839,15 @@ def http_server_class():
 def listening_socket(host: str, port: int) -> socket.socket:
     """A socket bound to ``host``:``port`` (not yet listening), so that a
     busy port or a wrong address is found before any model loads."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener = None
     try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
     except OSError as error:
-        listener.close()
+        if listener is not None:
+            listener.close()
         raise OSError(f"cannot listen on {host}:{port}: {error.strerror}") from None
     return listener
 

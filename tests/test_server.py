@@ -604,3 +604,10 @@ def test_the_help_shows_the_defaults_and_describes_the_soak():
         check=True,
     ).stdout
     assert "see above" not in load_help and "--soak N" in load_help
+
+
+def test_an_unknown_host_is_an_error_naming_it():
+    from server import listening_socket
+
+    with pytest.raises(OSError, match=r"^cannot listen on no-such-host\.invalid:8080: "):
+        listening_socket("no-such-host.invalid", 8080)
