@@ -17,17 +17,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
+import functools
 import hmac
 import json
 import math
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +51,9 @@ from cli import (
 API_KEY_VARIABLE = "T5_SERVER_API_KEY"
 # The most stop strings a request may give, as OpenAI allows.
 MAX_STOP_STRINGS = 4
+# Seconds past --shutdown-timeout for requests told the server is shutting
+# down to send their error; uvicorn cancels whatever is left after that.
+SHUTDOWN_GRACE = 5.0
 
 
 def build_parser() -> ArgumentParser:
@@ -80,7 +86,12 @@ def build_parser() -> ArgumentParser:
     )
     add("--max-body-bytes", type=POSITIVE, default=1_000_000, help="largest request body")
     add("--host", default="127.0.0.1", help="address to listen on")
-    add("--port", type=checked(int, lambda p: 0 <= p < 65536, "a port"), default=8080)
+    add(
+        "--port",
+        type=checked(int, lambda p: 0 <= p < 65536, "a port"),
+        default=8080,
+        help="port to listen on; 0: a free one",
+    )
     add(
         "--api-key",
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE} if set)",
@@ -98,14 +109,26 @@ def build_parser() -> ArgumentParser:
 class RequestError(Exception):
     """A request the server refuses: an HTTP status and OpenAI's error fields."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "",
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
         return {
-            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
         }
 
 
@@ -122,6 +145,7 @@ class Settings:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     stream_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    is_list: bool = False  # the prompt came as a list (errors name a prompt by index)
 
 
 def _number(body: dict, name: str, default, kind: type, valid, requirement: str):
@@ -136,11 +160,58 @@ def _number(body: dict, name: str, default, kind: type, valid, requirement: str)
     return kind(value)
 
 
-def parse_completion(body: object, max_tokens_limit: int) -> Settings:
-    """The ``Settings`` of a /v1/completions body; ``RequestError`` (400) for
-    anything malformed, out of range or unsupported."""
+# OpenAI's completion parameters this server does not implement: the value
+# each may have (as if absent) and what a request gets told otherwise.
+UNSUPPORTED = {
+    "n": (1, "send a list of prompts for several completions"),
+    "best_of": (1, "send a list of prompts for several completions"),
+    "echo": (False, ""),
+    "logprobs": (None, ""),
+    "suffix": ("", "T5 completes a prompt; it does not fill text in before a suffix"),
+    "logit_bias": ({}, ""),
+    "presence_penalty": (0, ""),
+    "frequency_penalty": (0, ""),
+}
+# Every parameter a request may name: those parse_completion reads, the
+# unsupported ones, and ``user`` (an end user's id, which changes no output).
+PARAMETERS = frozenset(
+    {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+    | {"stream", "stream_options", "user"}
+    | UNSUPPORTED.keys()
+)
+
+
+def check_model(body: dict, served: str) -> None:
+    """``RequestError`` unless ``body``'s ``model`` (optional) is ``served``:
+    OpenAI's 404 ``model_not_found`` for any other name."""
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise RequestError(400, f"model must be a string, got {json.dumps(model)}", "model")
+    if model != served:
+        message = f"the model {model!r} does not exist: this server serves {served!r}"
+        raise RequestError(404, message, "model", code="model_not_found")
+
+
+def parse_completion(body: object, max_tokens_limit: int, served_model: str) -> Settings:
+    """The ``Settings`` of a /v1/completions body for the model named
+    ``served_model``; ``RequestError`` (400, 404 for another model) for
+    anything malformed, out of range, unknown or unsupported."""
     if not isinstance(body, dict):
         raise RequestError(400, "the body must be a JSON object")
+    for name in body:
+        if name not in PARAMETERS:
+            raise RequestError(400, f"unknown parameter: {name}", name)
+    for name, (plain, hint) in UNSUPPORTED.items():
+        if body.get(name, plain) not in (plain, None):
+            raise RequestError(
+                400, f"{name} is not supported" + (f"; {hint}" if hint else ""), name
+            )
+    check_model(body, served_model)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise RequestError(400, "user must be a string", "user")
     prompt = body.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
@@ -149,8 +220,9 @@ def parse_completion(body: object, max_tokens_limit: int) -> Settings:
         raise RequestError(400, "prompt is an empty list", "prompt")
     for i, text in enumerate(prompts):
         if not text.strip():
-            where = "prompt" if isinstance(prompt, str) else f"prompt {i}"
-            raise RequestError(400, f"{where} is empty", "prompt")
+            raise RequestError(
+                400, f"{prompt_name(isinstance(prompt, list), i)} is empty", "prompt"
+            )
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
@@ -167,16 +239,13 @@ def parse_completion(body: object, max_tokens_limit: int) -> Settings:
         raise RequestError(
             400, 'stream_options must be {"include_usage": true or false}', "stream_options"
         )
-    for name, plain in (("n", 1), ("best_of", 1), ("echo", False), ("logprobs", None)):
-        if body.get(name, plain) not in (plain, None):
-            hint = "; send a list of prompts for several completions" if name == "n" else ""
-            raise RequestError(400, f"{name} is not supported{hint}", name)
     limit = max_tokens_limit
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not is_seed(seed)):
         raise RequestError(400, f"seed must be {SEEDS}, got {json.dumps(seed)}", "seed")
     return Settings(
         prompts=prompts,
+        is_list=isinstance(prompt, list),
         max_tokens=_number(
             body,
             "max_tokens",
@@ -193,6 +262,12 @@ def parse_completion(body: object, max_tokens_limit: int) -> Settings:
         stream=stream,
         stream_usage=stream_options.get("include_usage", False),
     )
+
+
+def prompt_name(is_list: bool, index: int) -> str:
+    """How an error names prompt ``index`` of a request whose prompt is a
+    list (``is_list``) or one string."""
+    return f"prompt {index}" if is_list else "the prompt"
 
 
 @dataclass
@@ -218,7 +293,8 @@ class Job:
 
     def send(self, message: tuple) -> None:
         """Hand ``message`` to the handler, from the decoding thread."""
-        self.loop.call_soon_threadsafe(self.messages.put_nowait, message)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to read it
+            self.loop.call_soon_threadsafe(self.messages.put_nowait, message)
 
     def update(self, index: int, result) -> bool:
         """Take a row's new result into choice ``index``; whether the row
@@ -244,7 +320,8 @@ class Engine:
     """The decoding thread: it alone calls MLX. Handlers ``submit`` and
     ``cancel`` jobs; the thread admits their prompts into the batch between
     rounds and sends each job ("accepted",), ("progress",) after every round
-    that changed it, then ("done",) or ("error", RequestError)."""
+    that changed it (streaming jobs only), then ("done",) or ("error",
+    RequestError). ``abort`` ends every open job with an error at once."""
 
     def __init__(
         self,
@@ -262,11 +339,20 @@ class Engine:
         self.max_prompt_tokens = max_prompt_tokens
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
-        self.in_transit = 0  # prompts submitted that the thread has not taken yet
+        # Prompts submitted and not yet finished, cancelled or refused, decoding
+        # or not: at most max_batch_size + max_waiting.
+        self.held = 0
+        self.open_jobs: set[Job] = set()  # submitted, not yet answered (event loop's side)
+        self.closing = False  # abort was called: no new job is taken
         self.counters = dict.fromkeys(
             ("requests", "completed", "cancelled", "errors", "active", "waiting"), 0
         )
         self.thread = threading.Thread(target=self._run, name="decoding", daemon=True)
+
+    @property
+    def max_prompts(self) -> int:
+        """The most prompts the server holds at once, decoding or waiting."""
+        return self.max_batch_size + self.max_waiting
 
     def start(self) -> None:
         self.thread.start()
@@ -276,27 +362,55 @@ class Engine:
         self.thread.join()
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; ``RequestError`` (429) when too many prompts wait."""
+        """Queue ``job``. ``RequestError``: 400 when it has more prompts than
+        the server ever holds, 429 when it would fit once others finish,
+        503 when the server is shutting down."""
+        count = len(job.settings.prompts)
+        if self.closing:
+            raise RequestError(503, "the server is shutting down")
+        if count > self.max_prompts:
+            message = (
+                f"the request has {count} prompts; this server holds at most {self.max_prompts} "
+                f"at once (--max-batch-size {self.max_batch_size} + --max-waiting "
+                f"{self.max_waiting})"
+            )
+            raise RequestError(400, message, "prompt")
         with self.lock:
-            waiting = self.in_transit + self.counters["waiting"]
-            if (
-                waiting + len(job.settings.prompts)
-                > self.max_waiting + self.max_batch_size - self.counters["active"]
-            ):
+            if self.held + count > self.max_prompts:
                 raise RequestError(
                     429, "too many requests are waiting; retry later", kind="rate_limit_error"
                 )
-            self.in_transit += len(job.settings.prompts)
+            self.held += count
             self.counters["requests"] += 1
+        self.open_jobs.add(job)
         self.commands.put(("submit", job))
+
+    def answered(self, job: Job) -> None:
+        """``job``'s handler is done with it (event loop's side)."""
+        self.open_jobs.discard(job)
 
     def cancel(self, job: Job) -> None:
         """Stop decoding ``job`` (its client left): its rows free at the next round."""
         self.commands.put(("cancel", job))
 
+    def abort(self, reason: str) -> None:
+        """End every open job now with a 503 saying ``reason``, and take no
+        new one (event loop's side: the handlers answer at once, whatever
+        the decoding thread is doing); their rows are freed."""
+        self.closing = True
+        for job in self.open_jobs:
+            job.messages.put_nowait(("error", RequestError(503, reason)))
+            self.cancel(job)
+        self.open_jobs.clear()
+
     def health(self) -> dict:
         with self.lock:
             return {"status": "ok", **self.counters}
+
+    def _release(self, prompts: int) -> None:
+        """``prompts`` no longer held: finished, cancelled, refused or failed."""
+        with self.lock:
+            self.held -= prompts
 
     def _run(self) -> None:
         import mlx.core as mx
@@ -335,6 +449,7 @@ class Engine:
                     job.send(("error", RequestError(500, f"decoding failed: {reason}")))
                 with self.lock:
                     self.counters["errors"] += len(failed)
+                self._release(len(jobs))
                 jobs.clear()
                 generator = self._new_generator()
                 self._count(generator)
@@ -348,6 +463,7 @@ class Engine:
                     generator.cancel(uid)
                 if result.finished or job.choices[job.uids[uid]].finish_reason:
                     del jobs[uid]
+                    self._release(1)
                 changed[id(job)] = job
             for job in changed.values():
                 if job.finished:
@@ -355,7 +471,7 @@ class Engine:
                     job.send(("done",))
                     with self.lock:
                         self.counters["completed"] += 1
-                else:
+                elif job.settings.stream:
                     job.send(("progress",))
             self._count(generator)
 
@@ -376,21 +492,19 @@ class Engine:
         from sampling import Sampling
 
         settings = job.settings
-        with self.lock:
-            self.in_transit -= len(settings.prompts)
         try:
             ids = [self.decoder.prompt_ids(prompt) for prompt in settings.prompts]
         except (TypeError, ValueError) as error:
-            job.send(("error", RequestError(400, str(error), "prompt")))
+            self._refuse(job, RequestError(400, str(error), "prompt"))
             return
-        longest = max(map(len, ids))
-        if longest > self.max_prompt_tokens:
-            message = (
-                f"the prompt has {longest} tokens, more than the {self.max_prompt_tokens} "
-                "this server accepts (its memory limit)"
-            )
-            job.send(("error", RequestError(400, message, "prompt")))
-            return
+        for index, prompt_ids in enumerate(ids):
+            if len(prompt_ids) > self.max_prompt_tokens:
+                message = (
+                    f"{prompt_name(settings.is_list, index)} has {len(prompt_ids)} tokens, more "
+                    f"than the {self.max_prompt_tokens} this server accepts (its memory limit)"
+                )
+                self._refuse(job, RequestError(400, message, "prompt"))
+                return
         sampling = Sampling(settings.temperature, settings.top_p, settings.top_k)
         for index, prompt_ids in enumerate(ids):
             uid = generator.insert(
@@ -400,11 +514,16 @@ class Engine:
             jobs[uid] = job
         job.send(("accepted",))
 
+    def _refuse(self, job: Job, error: RequestError) -> None:
+        self._release(len(job.settings.prompts))
+        job.send(("error", error))
+
     def _cancel(self, generator, job: Job, jobs: dict) -> None:
         rows = [uid for uid, owner in jobs.items() if owner is job]
         for uid in rows:
             generator.cancel(uid)
             del jobs[uid]
+        self._release(len(rows))
         if rows:
             with self.lock:
                 self.counters["cancelled"] += 1
@@ -425,11 +544,16 @@ def completion_body(job: Job, request_id: str, model: str, created: int, stream_
             "finish_reason": choice.finish_reason,
         }
         if stream_texts is None and result is not None:
-            # The speculative figures, named as LM Studio reports them.
+            # The speculative figures, named as LM Studio reports them: a
+            # round's draft tokens after its rejected one (or the draft's end
+            # of sequence) are never tested, so they are ignored.
             entry["stats"] = {
                 "total_draft_tokens_count": result.n_draft,
                 "accepted_draft_tokens_count": result.n_accepted,
                 "rejected_draft_tokens_count": result.n_rejected,
+                "ignored_draft_tokens_count": result.n_draft
+                - result.n_accepted
+                - result.n_rejected,
             }
         choices.append(entry)
     body = {
@@ -451,14 +575,21 @@ def completion_body(job: Job, request_id: str, model: str, created: int, stream_
 
 
 def build_app(
-    engine: Engine, args: argparse.Namespace, model_names: list[str], api_key: str | None
+    engine: Engine,
+    args: argparse.Namespace,
+    model_name: str,
+    draft_name: str | None,
+    api_key: str | None,
 ):
-    """The Starlette application: the routes, JSON errors, the key check."""
+    """The Starlette application serving ``model_name`` (drafted by
+    ``draft_name``): the routes, JSON errors, the key check."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
+
+    started = int(time.time())
 
     def error_response(error: RequestError) -> JSONResponse:
         headers = {"Retry-After": "1"} if error.status == 429 else None
@@ -480,41 +611,47 @@ def build_app(
 
     async def completions(request: Request):
         try:
-            settings = parse_completion(await read_json(request), args.max_tokens_limit)
+            settings = parse_completion(await read_json(request), args.max_tokens_limit, model_name)
             job = Job(settings, asyncio.get_running_loop())
             engine.submit(job)
-            message = await job.messages.get()
-            if message[0] == "error":
-                raise message[1]
         except RequestError as error:
             return error_response(error)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if settings.stream:
+            message = await job.messages.get()
+            if message[0] == "error":
+                engine.answered(job)
+                return error_response(message[1])
             events = stream_events(job, request_id, created)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await complete(request, job, request_id, created)
+        try:
+            return await complete(request, job, request_id, created)
+        finally:
+            engine.answered(job)
 
     async def complete(request: Request, job: Job, request_id: str, created: int):
-        """Wait for every choice; a client that leaves cancels the job."""
-        while True:
-            try:
-                message = await asyncio.wait_for(job.messages.get(), timeout=0.25)
-            except TimeoutError:
-                if await request.is_disconnected():
+        """Wait for the job's end; a client that leaves first cancels it."""
+        leaving = asyncio.ensure_future(client_left(request))
+        try:
+            while True:
+                message = asyncio.ensure_future(job.messages.get())
+                await asyncio.wait((message, leaving), return_when=asyncio.FIRST_COMPLETED)
+                if not message.done():
+                    message.cancel()
                     engine.cancel(job)
-                    return JSONResponse({})  # nobody reads it
-                continue
-            if message[0] == "error":
-                return error_response(message[1])
-            if message[0] == "done":
-                return JSONResponse(completion_body(job, request_id, model_names[0], created))
+                    return Response(status_code=499)  # nobody reads it
+                if message.result()[0] == "error":
+                    return error_response(message.result()[1])
+                if message.result()[0] == "done":
+                    return JSONResponse(completion_body(job, request_id, model_name, created))
+        finally:
+            leaving.cancel()
 
     async def stream_events(job: Job, request_id: str, created: int) -> AsyncIterator[str]:
         """Server-sent events: a chunk after every round that added text,
         then [DONE]. Text that could still become a stop string is held back."""
         sent = [0] * len(job.choices)  # characters sent, per choice
         ended = [False] * len(job.choices)  # its finish_reason sent
-        hold = max((len(s) for s in job.settings.stop), default=1) - 1
         try:
             while True:
                 message = await job.messages.get()
@@ -524,34 +661,51 @@ def build_app(
                 texts = []
                 for index, choice in enumerate(job.choices):
                     finishing = choice.finish_reason is not None and not ended[index]
-                    end = len(choice.text) if finishing else len(choice.text) - hold
+                    end = len(choice.text)
+                    if not finishing:
+                        end -= held_back(choice.text, job.settings.stop)
                     new = choice.text[sent[index] : max(sent[index], end)]
                     sent[index] += len(new)
                     ended[index] = ended[index] or finishing
                     texts.append(new if new or finishing else None)
                 if any(t is not None for t in texts):
-                    chunk = completion_body(job, request_id, model_names[0], created, texts)
+                    chunk = completion_body(job, request_id, model_name, created, texts)
                     yield f"data: {json.dumps(chunk)}\n\n"
                 if message[0] == "done":
                     if job.settings.stream_usage:  # OpenAI's last chunk: no choices, the usage
-                        usage = completion_body(job, request_id, model_names[0], created)["usage"]
+                        usage = completion_body(job, request_id, model_name, created)["usage"]
                         chunk = completion_body(
-                            job, request_id, model_names[0], created, [None] * len(texts)
+                            job, request_id, model_name, created, [None] * len(texts)
                         )
                         yield f"data: {json.dumps({**chunk, 'usage': usage})}\n\n"
                     break
             yield "data: [DONE]\n\n"
         finally:
+            engine.answered(job)
             if not job.done:  # the client left (or the stream failed): free the rows
                 engine.cancel(job)
 
+    def model_entry() -> dict:
+        """OpenAI's model object for the served model; ``draft_model`` names
+        the model that proposes its tokens (null: none), which is not served."""
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "local",
+            "draft_model": draft_name,
+        }
+
     async def models(request: Request):
-        created = int(time.time())
-        data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "local"}
-            for name in model_names
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [model_entry()]})
+
+    async def model(request: Request):
+        name = request.path_params["name"]
+        try:
+            check_model({"model": name}, model_name)
+        except RequestError as error:
+            return error_response(error)
+        return JSONResponse(model_entry())
 
     async def health(request: Request):
         return JSONResponse(engine.health())
@@ -582,6 +736,7 @@ def build_app(
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{name:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
@@ -589,6 +744,22 @@ def build_app(
     if api_key:
         app.add_middleware(KeyCheck, api_key=api_key, error=error_response)
     return app
+
+
+async def client_left(request) -> None:
+    """Return once the client of ``request`` (its body read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of ``text`` a stream holds back: the
+    longest end of it that begins one of ``stops`` (and may yet become it)."""
+    longest = max(map(len, stops), default=1) - 1
+    for length in range(min(longest, len(text)), 0, -1):
+        if any(stop.startswith(text[-length:]) for stop in stops):
+            return length
+    return 0
 
 
 def _refuse_constant(name: str):
@@ -605,9 +776,9 @@ class KeyCheck:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
             headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"")
-            expected = b"Bearer " + self.key
-            if not hmac.compare_digest(given, expected):  # constant time
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            # The scheme is case-insensitive (RFC 9110); the key, compared in constant time, not.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self.key):
                 response = self.error(
                     RequestError(401, "a valid API key is required", kind="authentication_error")
                 )
@@ -616,15 +787,36 @@ class KeyCheck:
 
 
 def http_server_class():
-    """uvicorn's server, saying where it listens once it does, and ending
-    with status 0 after a graceful shutdown on SIGINT or SIGTERM (uvicorn's
-    own raises the signal again once it has shut down)."""
+    """uvicorn's server, saying where it listens once it does, ending with
+    status 0 after a graceful shutdown on SIGINT or SIGTERM (uvicorn's own
+    raises the signal again once it has shut down), and calling
+    ``on_overtime()`` if requests are still open ``shutdown_timeout``
+    seconds into it."""
     import uvicorn
 
     class Server(uvicorn.Server):
-        def __init__(self, config: uvicorn.Config, ready_message: str):
+        def __init__(
+            self,
+            config: uvicorn.Config,
+            ready_message: str,
+            shutdown_timeout: float,
+            on_overtime: Callable[[], None],
+        ):
             super().__init__(config)
             self.ready_message = ready_message
+            self.shutdown_timeout, self.on_overtime = shutdown_timeout, on_overtime
+
+        async def shutdown(self, sockets=None) -> None:
+            # uvicorn's own timeout cancels what is still running: plain-text
+            # 500s, streams cut short, tracebacks. The requests get an answer
+            # of their own first, with time to send it.
+            overtime = asyncio.get_running_loop().call_later(
+                self.shutdown_timeout, self.on_overtime
+            )
+            try:
+                await super().shutdown(sockets)
+            finally:
+                overtime.cancel()
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
@@ -645,6 +837,22 @@ def http_server_class():
                     signal.signal(stop, handler)
 
     return Server
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` (not yet listening), so that a
+    busy port or a wrong address is found before any model loads."""
+    listener = None
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+    except OSError as error:
+        if listener is not None:
+            listener.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    return listener
 
 
 def prompt_token_limit(paths: list[Path], max_tokens: int, batch_size: int) -> int:
@@ -681,6 +889,7 @@ def serve(args: argparse.Namespace) -> int:
     from model import load_model
 
     Server = http_server_class()
+    listener = listening_socket(args.host, args.port)
 
     paths = [resolve_model(args.model_name)]
     if not args.regular_decode and args.draft_model_name != "none":
@@ -710,25 +919,31 @@ def serve(args: argparse.Namespace) -> int:
         max_prompt_tokens=limit,
     )
     engine.start()
-    names = [args.model_name] + ([args.draft_model_name] if len(paths) > 1 else [])
-    app = build_app(engine, args, names, api_key)
+    draft_name = args.draft_model_name if len(paths) > 1 else None
+    app = build_app(engine, args, args.model_name, draft_name, api_key)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(
             f"warning: listening on {args.host} without an API key: anyone who can reach it "
             f"can use it (--api-key or ${API_KEY_VARIABLE})",
             file=sys.stderr,
         )
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # standard output stays empty
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        log_config=log_config,
         log_level="warning" if args.quiet else "info",  # info: the access log
         access_log=not args.quiet,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE,
     )
-    server = Server(config, f"Serving {args.model_name} on {{}} (prompts up to {limit} tokens)")
+    server = Server(
+        config,
+        f"Serving {args.model_name} on {{}} (prompts up to {limit} tokens)",
+        args.shutdown_timeout,
+        functools.partial(engine.abort, "the server is shutting down"),
+    )
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         engine.stop()
     return 0 if server.started else 1

@@ -400,7 +400,12 @@ def main() -> int:
         "--modes", default="speculative,regular", help="comma-separated: speculative, regular"
     )
     parser.add_argument(
-        "--soak", type=int, metavar="N", help="the soak: N mixed requests (see above)"
+        "--soak",
+        type=int,
+        metavar="N",
+        help="instead, N mixed requests to the speculative server (greedy streamed and whole, "
+        "lists of prompts, seeded sampled, clients that leave, bad requests), every answer "
+        "checked",
     )
     parser.add_argument(
         "--request-timeout", type=float, default=120, help="soak: seconds before a request is lost"

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,33 +30,54 @@ NUM_DRAFT = 3
 MAX_NEW = 12
 
 
-def start_server(converted_pair, *options: str, key: str | None = API_KEY) -> tuple:
-    """Start server.py on a free port (the system's pick); (process, base URL)."""
+def server_command(converted_pair, *options: str) -> list[str]:
+    """The command line of server.py for the test pair, on a free port."""
     main_dir, draft_dir = converted_pair
     command = [sys.executable, str(ROOT / "server.py"), "--model-name", str(main_dir)]
     command += ["--draft-model-name", str(draft_dir), "--num-draft", str(NUM_DRAFT)]
-    command += ["--port", "0", "--quiet", *options]
+    return command + ["--port", "0", *options]
+
+
+def start_server(
+    converted_pair, *options: str, key: str | None = API_KEY, quiet: bool = True
+) -> tuple:
+    """Start server.py on a free port (the system's pick); (process, base
+    URL). ``process.stderr_lines`` collects its standard error."""
+    command = server_command(converted_pair, *options, *(["--quiet"] if quiet else []))
     env = dict(os.environ)
     env.pop("T5_SERVER_API_KEY", None)
     if key:
         command += ["--api-key", key]
     process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+        command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    lines = []
+    lines = process.stderr_lines = []
+    process.stdout_lines = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # ready when it prints its address
         line = process.stderr.readline()
         lines.append(line)
         found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
         if found:
-            # Keep reading standard error, so that the server never blocks on it.
-            threading.Thread(target=process.stderr.read, daemon=True).start()
+            # Keep reading its output, so that the server never blocks on it.
+            process.readers = [
+                threading.Thread(target=out.extend, args=(stream,), daemon=True)
+                for out, stream in ((lines, process.stderr), (process.stdout_lines, process.stdout))
+            ]
+            for reader in process.readers:
+                reader.start()
             return process, found.group(1)
         if not line and process.poll() is not None:
             break
     stop_server(process)
     pytest.fail("the server did not start: " + "".join(lines))
+
+
+def output_after_exit(process) -> tuple[str, str]:
+    """(standard output, standard error) of a server that has exited."""
+    for reader in process.readers:
+        reader.join(timeout=10)
+    return "".join(process.stdout_lines), "".join(process.stderr_lines)
 
 
 def stop_server(process) -> int:
@@ -81,23 +103,37 @@ def reference(decoding_pair):
     return SpeculativeDecoder(*decoding_pair, num_draft=NUM_DRAFT)
 
 
-def post(url: str, body, path="/v1/completions", key=API_KEY, **kwargs) -> httpx.Response:
+def post(
+    url: str, body, path="/v1/completions", key=API_KEY, timeout: float = TIMEOUT
+) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return httpx.post(url + path, content=content, headers=headers, timeout=TIMEOUT, **kwargs)
+    return httpx.post(url + path, content=content, headers=headers, timeout=timeout)
 
 
-def stream_texts(url: str, body: dict) -> list[str]:
-    """A streamed completion's texts per choice, put together from its events."""
-    texts, finished = {}, {}
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream(
+def open_stream(url: str, body: dict, key: str | None = API_KEY):
+    """A streamed completion's response, as a context manager."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.stream(
         "POST",
         url + "/v1/completions",
         json={**body, "stream": True},
         headers=headers,
         timeout=TIMEOUT,
-    ) as response:
+    )
+
+
+def stream_events(url: str, body: dict) -> list[str]:
+    """The data lines of a streamed completion."""
+    with open_stream(url, body) as response:
+        assert response.status_code == 200
+        return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def stream_texts(url: str, body: dict) -> list[str]:
+    """A streamed completion's texts per choice, put together from its events."""
+    texts, finished = {}, {}
+    with open_stream(url, body) as response:
         assert response.status_code == 200
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -114,22 +150,23 @@ def test_the_openai_client_gets_the_main_models_text(server, reference, converte
     from openai import OpenAI
 
     client = OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=TIMEOUT, max_retries=0)
+    model = str(converted_pair[0])
     alone = reference.generate(PROMPTS[1], max_tokens=MAX_NEW)
     expected = alone.text
     completion = client.completions.create(
-        model="main", prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0
+        model=model, prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0
     )
     assert completion.choices[0].text == expected
     assert completion.usage.completion_tokens == len(alone.tokens)
     assert completion.usage.prompt_tokens == alone.prompt_tokens
     assert completion.choices[0].finish_reason in ("stop", "length")
     streamed = client.completions.create(
-        model="main", prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0, stream=True
+        model=model, prompt=PROMPTS[1], max_tokens=MAX_NEW, temperature=0, stream=True
     )
     chunks = list(streamed)
     assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected
     with_usage = client.completions.create(
-        model="main",
+        model=model,
         prompt=PROMPTS[1],
         max_tokens=MAX_NEW,
         stream=True,
@@ -137,7 +174,9 @@ def test_the_openai_client_gets_the_main_models_text(server, reference, converte
     )
     assert [c.usage.completion_tokens for c in with_usage if c.usage] == [len(alone.tokens)]
     models = client.models.list()
-    assert [m.id for m in models.data] == [str(p) for p in converted_pair]
+    assert [m.id for m in models.data] == [model]
+    assert models.data[0].draft_model == str(converted_pair[1])
+    assert client.models.retrieve(model).id == model
 
 
 def test_concurrent_requests_each_get_their_own_text(server, reference):
@@ -190,11 +229,8 @@ def test_a_seeded_request_gets_its_text_alone_and_among_others(server, reference
 
 def test_a_client_that_leaves_frees_its_row(server, reference):
     before = httpx.get(server + "/health", timeout=TIMEOUT).json()
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"prompt": PROMPTS[2], "max_tokens": 64, "stream": True, "stop": "zzzz-never"}
-    with httpx.stream(
-        "POST", server + "/v1/completions", json=body, headers=headers, timeout=TIMEOUT
-    ) as response:
+    body = {"prompt": PROMPTS[2], "max_tokens": 64, "stop": "zzzz-never"}
+    with open_stream(server, body) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break  # leave after the first event
@@ -246,6 +282,16 @@ BAD_REQUESTS = [
     ("n = 2", {**GOOD, "n": 2}, 400, "n"),
     ("stream as text", {**GOOD, "stream": "yes"}, 400, "stream"),
     ("prompt too long", {"prompt": "the dog " * 1000}, 400, "prompt"),
+    ("prompt too long in a list", {"prompt": ["a", "the dog " * 1000]}, 400, "prompt"),
+    ("more prompts than the server holds", {**GOOD, "prompt": ["a"] * 73}, 400, "prompt"),
+    ("logit_bias", {**GOOD, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("presence_penalty", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("frequency_penalty", {**GOOD, "frequency_penalty": -1}, 400, "frequency_penalty"),
+    ("suffix", {**GOOD, "suffix": " the end"}, 400, "suffix"),
+    ("echo", {**GOOD, "echo": True}, 400, "echo"),
+    ("unknown parameter", {**GOOD, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("model a number", {**GOOD, "model": 3}, 400, "model"),
+    ("user a number", {**GOOD, "user": 3}, 400, "user"),
 ]
 
 
@@ -258,7 +304,40 @@ def test_bad_input_gets_a_json_error_and_the_server_goes_on(case, body, status, 
     error = response.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
     assert error["param"] == param
+    if param and param != "prompt":
+        assert param in error["message"]  # named, not just flagged
     assert post(server, GOOD).status_code == 200
+
+
+def test_the_errors_say_which_prompt_and_what_limit(server):
+    too_long = post(server, {"prompt": ["a", "the dog " * 1000]}).json()["error"]["message"]
+    assert too_long.startswith("prompt 1 has ") and "1000" in too_long
+    too_many = post(server, {**GOOD, "prompt": ["a"] * 73}).json()["error"]["message"]
+    assert "at most 72" in too_many  # --max-batch-size 8 + --max-waiting 64
+
+
+def test_parameters_at_their_neutral_values_are_taken(server, reference, converted_pair):
+    neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}
+    neutral |= {"suffix": None, "n": 1, "echo": False, "user": "someone"}
+    body = {"prompt": PROMPTS[1], "max_tokens": MAX_NEW, "model": str(converted_pair[0])}
+    response = post(server, {**body, **neutral})
+    assert response.status_code == 200, response.text
+    expected = reference.generate(PROMPTS[1], max_tokens=MAX_NEW).text
+    assert response.json()["choices"][0]["text"] == expected
+
+
+def test_a_model_not_served_is_not_found(server, converted_pair):
+    for name in ("gpt-4", str(converted_pair[1])):  # the draft only proposes tokens: not served
+        response = post(server, {**GOOD, "model": name})
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["code"] == "model_not_found"
+        found = httpx.get(
+            f"{server}/v1/models/{name}",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=TIMEOUT,
+        )
+        assert found.status_code == 404
+        assert found.json()["error"]["code"] == "model_not_found"
 
 
 def test_wrong_paths_methods_size_and_keys(server):
@@ -283,6 +362,7 @@ def test_wrong_paths_methods_size_and_keys(server):
         (post(server, {"prompt": "a" * 2_000_000}), 413),
         (post(server, GOOD, key=None), 401),
         (post(server, GOOD, key="wrong"), 401),
+        (post(server, GOOD, key=f"{API_KEY} extra"), 401),
     ]
     for response, status in cases:
         assert response.status_code == status, response.text
@@ -290,6 +370,8 @@ def test_wrong_paths_methods_size_and_keys(server):
     assert "/v1/completions" in cases[2][0].json()["error"]["message"]
     assert httpx.get(server + "/health", timeout=TIMEOUT).status_code == 200  # no key needed
     assert post(server, GOOD).status_code == 200
+    lowercase = {"Authorization": f"bearer {API_KEY}"}  # the scheme is case-insensitive
+    assert httpx.post(server + "/v1/completions", json=GOOD, headers=lowercase).status_code == 200
 
 
 def test_sigterm_lets_a_running_request_finish(converted_pair, reference):
@@ -359,3 +441,173 @@ def test_the_soak_finds_nothing_lost_duplicated_or_mismatched(converted_pair, tm
     for failure in ("lost", "duplicated", "mismatched", "bad with the wrong status"):
         assert report[failure] == 0, failure
     assert report["health"]["active"] == report["health"]["waiting"] == 0
+
+
+def health_when(url: str, condition, seconds: float = 60) -> dict:
+    """/health once ``condition(health)`` holds, or as it is after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        health = httpx.get(url + "/health", timeout=TIMEOUT).json()
+        if condition(health) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.02)  # polling, not waiting for something to happen by then
+
+
+# A request that decodes far longer than a client waits: 8 rows of 512 tokens.
+LONG = {"prompt": [PROMPTS[2]] * 8, "max_tokens": 512}
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_times_out_frees_its_rows(server, streaming):
+    """A client that gives up after 0.5 s, as one with a timeout does:
+    its request is cancelled (not completed), every row freed."""
+    before = httpx.get(server + "/health", timeout=TIMEOUT).json()
+    started = time.monotonic()
+    if streaming:  # a total deadline: events keep coming, so no read times out
+        with open_stream(server, LONG) as response:
+            for _ in response.iter_lines():
+                if time.monotonic() - started > 0.5:
+                    break
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, LONG, timeout=0.5)
+    health = health_when(server, lambda h: h["cancelled"] > before["cancelled"])
+    assert health["cancelled"] == before["cancelled"] + 1
+    assert health["completed"] == before["completed"]
+    assert health_when(server, lambda h: h["active"] == h["waiting"] == 0)["active"] == 0
+    assert post(server, GOOD).status_code == 200
+
+
+def test_the_draft_stats_add_up(server):
+    body = {"prompt": PROMPTS[:6], "max_tokens": MAX_NEW}
+    stats = [choice["stats"] for choice in post(server, body).json()["choices"]]
+    for counts in stats:
+        parts = ("accepted", "rejected", "ignored")
+        total = sum(counts[f"{part}_draft_tokens_count"] for part in parts)
+        assert total == counts["total_draft_tokens_count"], counts
+    assert any(counts["ignored_draft_tokens_count"] for counts in stats)  # not vacuous
+
+
+def test_held_back_is_what_may_still_become_a_stop_string():
+    from server import held_back
+
+    assert held_back("the end of it", ["STOP"]) == 0
+    assert held_back("the end ST", ["STOP"]) == 2
+    assert held_back("the end S", ["xx", "STOP"]) == 1
+    assert held_back("aaa", ["aaaa"]) == 3
+    assert held_back("abc", []) == 0
+
+
+def test_a_stop_string_that_never_comes_holds_nothing_back(server):
+    """As many chunks with a long stop string that never appears as without."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 40}
+    plain = stream_events(server, body)
+    with_stop = stream_events(server, {**body, "stop": "\N{SNOWMAN}" * 200})
+    assert len(with_stop) == len(plain) > 5
+    assert stream_texts(server, {**body, "stop": "\N{SNOWMAN}" * 200}) == stream_texts(server, body)
+
+
+def test_statuses_say_whether_waiting_helps(converted_pair):
+    """--max-batch-size 2 --max-waiting 2: 10 requests at once, 4 taken and 6
+    told to retry (429); more prompts than 4 in one request is a 400."""
+    process, url = start_server(
+        converted_pair, "--max-batch-size", "2", "--max-waiting", "2", key=None
+    )
+    try:
+        too_many = post(url, {**GOOD, "prompt": ["a"] * 5}, key=None)
+        assert too_many.status_code == 400 and "at most 4" in too_many.json()["error"]["message"]
+        statuses = []
+        all_answered = threading.Barrier(10, timeout=60)
+
+        def send() -> None:
+            with open_stream(url, {"prompt": PROMPTS[2], "max_tokens": 512}, key=None) as response:
+                statuses.append(response.status_code)
+                all_answered.wait()  # the taken ones still decode meanwhile
+
+        with ThreadPoolExecutor(max_workers=10) as pool:
+            for future in [pool.submit(send) for _ in range(10)]:
+                future.result()
+        assert sorted(statuses) == [200] * 4 + [429] * 6
+        assert health_when(url, lambda h: h["active"] == h["waiting"] == 0)["active"] == 0
+        assert post(url, GOOD, key=None).status_code == 200  # the wait helped
+    finally:
+        stop_server(process)
+
+
+def test_shutdown_past_its_timeout_answers_every_request(converted_pair):
+    """SIGTERM with --shutdown-timeout 0 during a stream and a whole request
+    waiting behind it: an error event and [DONE] for one, a JSON 503 for the
+    other, exit status
+    0, no traceback; the access log went to standard error, not output."""
+    process, url = start_server(converted_pair, "--shutdown-timeout", "0", key=None, quiet=False)
+    try:
+        streaming = threading.Event()
+
+        def stream() -> list[str]:
+            with open_stream(url, LONG, key=None) as response:
+                events = []
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+                        streaming.set()
+                return events
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            streamed = pool.submit(stream)
+            assert streaming.wait(timeout=60)
+            whole = pool.submit(post, url, LONG, key=None)  # waits for the stream's rows
+            assert health_when(url, lambda h: h["requests"] == 2)["requests"] == 2
+            process.send_signal(signal.SIGTERM)
+            response, events = whole.result(), streamed.result()
+        assert response.status_code == 503, response.text[:300]
+        assert "shutting down" in response.json()["error"]["message"]
+        assert events[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+        assert process.wait(timeout=60) == 0
+        stdout, stderr = output_after_exit(process)
+        assert stdout == ""
+        assert '"POST /v1/completions HTTP/1.1" 503' in stderr
+        assert "Traceback" not in stderr and "Exception" not in stderr, stderr
+    finally:
+        stop_server(process)
+
+
+def test_a_busy_port_is_an_error_before_loading(converted_pair):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        command = server_command(converted_pair, "--quiet")
+        command[command.index("--port") + 1] = port
+        run = subprocess.run(
+            command, check=False, capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+    assert run.returncode == 1
+    assert run.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: "), run.stderr
+    assert "Loading" not in run.stderr and len(run.stderr.splitlines()) == 1
+
+
+def test_the_help_shows_the_defaults_and_describes_the_soak():
+    server_help = subprocess.run(
+        [sys.executable, str(ROOT / "server.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert re.search(
+        r"--port PORT\s+port to listen on; 0: a free one \(default: 8080\)", server_help
+    )
+    load_help = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert "see above" not in load_help and "--soak N" in load_help
+
+
+def test_an_unknown_host_is_an_error_naming_it():
+    from server import listening_socket
+
+    with pytest.raises(OSError, match=r"^cannot listen on no-such-host\.invalid:8080: "):
+        listening_socket("no-such-host.invalid", 8080)
