@@ -55,7 +55,7 @@ from drafting import (
     pass_times,
     trim_to,
 )
-from model import T5, ModelArgs, encoder_passes, load_config
+from model import T5, ModelArgs, Slices, encoder_passes, load_config
 from sampling import RowSampling, Sampling, row_key, split_keys, verify
 
 
@@ -206,6 +206,43 @@ HOLD_FREE_ROWS = 2
 # (docs/benchmarks.md).
 SORT_WINDOW = 4
 
+# While rows decode, a generator that interleaves encoding with its rounds
+# spends at most this share of its time encoding joining prompts, on
+# average: the rows keep at least 1 - ENCODING_SHARE of their tokens/s
+# (issue 49 asks for three quarters).
+ENCODING_SHARE = 0.2
+
+# With no row decoding, ``next`` encodes for about this long and returns, so
+# that a prompt sent meanwhile (a short one beside a long one) can start.
+IDLE_ENCODING_SECONDS = 0.1
+
+
+@dataclass
+class Encoding:
+    """Prompts joining the batch together (one encoder pass), encoded
+    slice by slice; they take places in the batch when it ends."""
+
+    rows: list[Row]
+    slices: Slices[tuple[DecoderCache, DecoderCache | None]]  # main's cache, draft's or None
+    caches: tuple[DecoderCache, DecoderCache | None] | None = None  # set when it ends
+    seconds: float = 0.0  # spent in its slices
+    cancelled: set[int] = dataclasses.field(default_factory=set)  # uids
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the padded pass: the smallest encodes first."""
+        return len(self.rows) * max(len(row.prompt_ids) for row in self.rows)
+
+    def advance(self) -> bool:
+        """Compute one slice; whether the encoding has ended."""
+        tic = time.perf_counter()
+        try:
+            next(self.slices)
+        except StopIteration as end:
+            self.caches = end.value
+        self.seconds += time.perf_counter() - tic
+        return self.caches is not None
+
 
 class BatchGenerator:
     """Rows of one batch decoded together, one round (one main-model pass)
@@ -223,6 +260,7 @@ class BatchGenerator:
         max_batch_size: int = 8,
         cost_batch_size: int | None = None,
         prompt_progress: Callable[[int, int], None] | None = None,
+        interleave_encoding: bool = False,
     ):
         if not (isinstance(max_batch_size, int) and max_batch_size >= 1):
             raise ValueError(f"batch_size must be >= 1, got {max_batch_size!r}")
@@ -234,6 +272,13 @@ class BatchGenerator:
         # Called as prompts are encoded: (0, total) first, then (k, total)
         # after each of the total encoder layers of the main and draft models.
         self.prompt_progress = prompt_progress
+        # Encode joining prompts in slices between rounds (a server: a long
+        # prompt stalls no row), or whole before the round (a known list of
+        # prompts: each joins as soon as it can).
+        self.interleave_encoding = interleave_encoding
+        self.encodings: list[Encoding] = []  # smallest first
+        # Seconds of encoding the rounds have left room for (ENCODING_SHARE).
+        self.encoding_credit = 0.0
         self.waiting: deque[Row] = deque()
         self.rows: list[Row | None] = []  # one per row of the caches; None: a free place
         self.freed: dict[int, int] = {}  # free place -> the round it was freed in
@@ -244,8 +289,9 @@ class BatchGenerator:
         self.uids = itertools.count()
 
     def __len__(self) -> int:
-        """Prompts decoding or waiting."""
-        return len(self.waiting) + sum(row is not None for row in self.rows)
+        """Prompts decoding, encoding or waiting."""
+        encoding = sum(len(e.rows) - len(e.cancelled) for e in self.encodings)
+        return len(self.waiting) + encoding + sum(row is not None for row in self.rows)
 
     def insert(
         self,
@@ -278,6 +324,13 @@ class BatchGenerator:
             if row.uid == uid:
                 self.waiting.remove(row)
                 return
+        for encoding in self.encodings:
+            if uid in (row.uid for row in encoding.rows):
+                # Its pass goes on for the others; its row is freed as it joins.
+                encoding.cancelled.add(uid)
+                if len(encoding.cancelled) == len(encoding.rows):
+                    self.encodings.remove(encoding)
+                return
         for i, row in enumerate(self.rows):
             if row is not None and row.uid == uid:
                 self._free(i)
@@ -287,7 +340,7 @@ class BatchGenerator:
         """Run one round over every row and return ``(uid, result)`` for each:
         a new result object every time, ``result.finished`` on a prompt's
         last (end of sequence or its ``max_tokens``). Empty when nothing
-        decodes or waits."""
+        decodes (prompts may be encoding)."""
         self._admit()
         self._drop_free_rows()
         live = [row for row in self.rows if row is not None]
@@ -383,8 +436,12 @@ class BatchGenerator:
             events.append((row.uid, snapshot(result)))
             if result.finished:
                 self._free(i)
+        round_seconds = time.perf_counter() - tic
         if self.draft_length is not None:
-            self.draft_length.timed(draft, time.perf_counter() - tic - encoding_time)
+            self.draft_length.timed(draft, round_seconds - encoding_time)
+        # Room for encoding at most one round's time at once.
+        credit = self.encoding_credit + round_seconds * ENCODING_SHARE / (1 - ENCODING_SHARE)
+        self.encoding_credit = min(credit, round_seconds)
         return events
 
     def _draft_start_cost(self, live: list[Row], limits: list[int]) -> float:
@@ -452,32 +509,82 @@ class BatchGenerator:
             self.drafter.keep_rows(kept)
 
     def _admit(self) -> None:
-        """Let waiting prompts take free rows, then new ones up to
-        ``max_batch_size``; encode them together."""
-        free = self.rows.count(None)
-        capacity = free + self.max_batch_size - len(self.rows)
+        """Start encoding waiting prompts while places allow (the prompts of
+        each encoder pass together), then encode, smallest pass first: all
+        of it, or, interleaving, slices while the rounds' share of time
+        allows (``ENCODING_SHARE``; ``IDLE_ENCODING_SECONDS`` when no row
+        decodes). Prompts whose encoding ends take free rows, then new ones
+        up to ``max_batch_size``."""
+        encoding = sum(len(e.rows) for e in self.encodings)
+        capacity = self.rows.count(None) + self.max_batch_size - len(self.rows) - encoding
         joining = [self.waiting.popleft() for _ in range(min(capacity, len(self.waiting)))]
-        if not joining:
-            return
+        if joining:
+            prompts = [row.prompt_ids for row in joining]
+            on_layer = self._layer_progress(prompts)
+            start = time.perf_counter()
+            for group in encoder_passes(prompts):
+                rows = [joining[i] for i in group]
+                for row in rows:
+                    row.start = start
+                slices = self._encoding_slices([row.prompt_ids for row in rows], on_layer)
+                self.encodings.append(Encoding(rows, slices))
+            self.encodings.sort(key=lambda e: e.tokens)
+        idle_since, sliced = time.perf_counter(), False
+        while self.encodings:
+            decoding = any(row is not None for row in self.rows)
+            if self.interleave_encoding and (
+                self.encoding_credit <= 0
+                if decoding
+                else sliced and time.perf_counter() - idle_since >= IDLE_ENCODING_SECONDS
+            ):
+                break
+            sliced = True
+            encoding = self.encodings[0]
+            seconds = encoding.seconds
+            ended = encoding.advance()
+            if decoding:
+                self.encoding_credit -= encoding.seconds - seconds
+            if ended:
+                self._join(self.encodings.pop(0))
+
+    def _encoding_slices(
+        self, prompts: list[list[int]], on_layer: Callable[[], None] | None
+    ) -> Slices[tuple[DecoderCache, DecoderCache | None]]:
+        """The main model's cache of ``prompts``, then the draft model's
+        where the drafter would encode them as they join, in slices."""
+        cache = yield from self.decoder.model.prompt_cache_slices(prompts, on_layer)
+        draft_model = self.decoder.draft_model
+        drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
+        if not self.speculative or draft_model is None:
+            return cache, None
+        # A lazy drafter encodes nothing before it has started.
+        if (drafter is None and self.decoder.lazy_drafting) or (
+            drafter is not None and drafter.cache is None
+        ):
+            return cache, None
+        draft_on_layer = None if self.decoder.lazy_drafting else on_layer
+        return cache, (yield from draft_model.prompt_cache_slices(prompts, draft_on_layer))
+
+    def _join(self, encoding: Encoding) -> None:
+        """Give the prompts of ``encoding``, which has ended, places in the
+        batch: free rows first, then new ones."""
+        joining = encoding.rows
         places = [i for i, row in enumerate(self.rows) if row is None][: len(joining)]
         for place in places:
             del self.freed[place]
         places += range(len(self.rows), len(self.rows) + len(joining) - len(places))
         self.rows += [None] * (max(places) + 1 - len(self.rows))
         prompts = [row.prompt_ids for row in joining]
-
-        start = time.perf_counter()
-        on_layer = self._layer_progress(prompts)
-        cache = self.decoder.model.prompt_cache(prompts, on_layer)
+        cache, draft_cache = encoding.caches
         if self.main_cache is None:
             self.main_cache = cache
             if self.speculative:
-                self.drafter = self.decoder.drafter(prompts, on_layer)
+                self.drafter = self.decoder.drafter(prompts, draft_cache)
         else:
             self.main_cache.admit(places, cache)
             if self.drafter is not None:
-                self.drafter.admit(places, prompts, on_layer)
-        prompt_time = (time.perf_counter() - start) / len(joining)
+                self.drafter.admit(places, prompts, draft_cache)
+        prompt_time = encoding.seconds / len(joining)
         calibration_time = self._calibrate(joining) if self.draft_length is None else 0.0
         for place, row in zip(places, joining):
             row.sequence = [self.decoder.model.args.decoder_start_token_id]
@@ -488,8 +595,11 @@ class BatchGenerator:
                 prompt_time=prompt_time,
                 calibration_time=calibration_time,
             )
-            row.start = start
             self.rows[place] = row
+        # Cancelled while encoding; another row of the pass is live.
+        for place, row in zip(places, joining):
+            if row.uid in encoding.cancelled:
+                self._free(place)
 
     def _layer_progress(self, prompts: list[list[int]]) -> Callable[[], None] | None:
         """What the encoders call after each layer, to report ``prompts``'
@@ -621,13 +731,13 @@ class SpeculativeDecoder:
         first drafts (see ``ModelDrafter``): with "auto", which may not."""
         return self.num_draft == "auto" and self.draft_model is not None
 
-    def drafter(self, prompts: list[list[int]], on_layer: Callable[[], None] | None = None):
-        """A drafter for a batch of ``prompts`` (token ids); a draft model
-        calls ``on_layer()`` after each layer of its encoder (unless lazy)."""
+    def drafter(self, prompts: list[list[int]], cache: DecoderCache | None = None):
+        """A drafter for a batch of ``prompts`` (token ids); ``cache``: the
+        draft model's cache of them, where encoded already."""
         vocab_size = self.model.args.vocab_size
         if self.drafting == "prompt lookup":
             return PromptLookupDrafter(prompts, vocab_size, self.prompt_lookup)
-        model_drafter = ModelDrafter(self.draft_model, prompts, on_layer, self.lazy_drafting)
+        model_drafter = ModelDrafter(self.draft_model, prompts, self.lazy_drafting, cache)
         if self.drafting == "draft model":
             return model_drafter
         # Single-token matches are weak; the draft model does better there.

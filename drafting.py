@@ -110,7 +110,7 @@ class ModelDrafter:
     each row has its own place in the draft model's cache.
 
     A ``lazy`` drafter encodes its rows' prompts when it first proposes
-    tokens, not before, and reports no encoder layers to ``on_layer``: auto
+    tokens, not before: auto
     may never draft (at 32 rows of the benchmark pair a round of one draft
     token cost over twice a plain step), and encoding the prompts of a batch
     of 32 for the draft model cost 3 plain steps. The rows' sequences catch
@@ -122,32 +122,36 @@ class ModelDrafter:
         self,
         model: T5,
         prompts: list[list[int]],
-        on_layer: Callable[[], None] | None = None,
         lazy: bool = False,
+        cache: DecoderCache | None = None,
     ):
+        """``cache``: the draft model's cache of ``prompts``, encoded already
+        (the drafter has started, lazy or not); else a drafter that is not
+        lazy encodes them."""
         self.model = model
         self.lazy = lazy
+        if cache is None and not lazy:
+            cache = model.prompt_cache(prompts)
         # Per row, until the first proposal encodes them (lazy): the prompt.
-        self.prompts = [list(ids) for ids in prompts] if lazy else []
-        self.cache = None if lazy else model.prompt_cache(prompts, on_layer)
+        self.prompts = [list(ids) for ids in prompts] if cache is None else []
+        self.cache = cache
         self.encoding_time = 0.0  # seconds proposals spent encoding prompts (lazy)
         self.fed = 0  # draft tokens of the last proposal fed into the cache
 
     def admit(
-        self,
-        rows: list[int],
-        prompts: list[list[int]],
-        on_layer: Callable[[], None] | None = None,
+        self, rows: list[int], prompts: list[list[int]], cache: DecoderCache | None = None
     ) -> None:
-        """Give ``rows`` (restarted, or added past the batch) ``prompts``;
-        ``on_layer()`` after each layer of the encoder (unless lazy)."""
+        """Give ``rows`` (restarted, or added past the batch) ``prompts``,
+        whose cache is ``cache`` where encoded already (a lazy drafter that
+        has not started keeps their tokens alone)."""
         if self.cache is None:
             self.prompts += [[]] * (max(rows) + 1 - len(self.prompts))
             for row, ids in zip(rows, prompts, strict=True):
                 self.prompts[row] = list(ids)
             return
-        on_layer = None if self.lazy else on_layer
-        self.cache.admit(rows, self.model.prompt_cache(prompts, on_layer))
+        if cache is None:
+            cache = self.model.prompt_cache(prompts)
+        self.cache.admit(rows, cache)
 
     def keep_rows(self, rows: list[int]) -> None:
         if self.cache is None:
@@ -319,13 +323,10 @@ class PromptLookupDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def admit(
-        self,
-        rows: list[int],
-        prompts: list[list[int]],
-        on_layer: Callable[[], None] | None = None,
+        self, rows: list[int], prompts: list[list[int]], cache: DecoderCache | None = None
     ) -> None:
         """Give ``rows`` (restarted, or added past the batch) ``prompts``
-        (no encoder: ``on_layer`` is never called)."""
+        (no encoder: ``cache`` is always None)."""
         self.prompts += [[]] * (max(rows) + 1 - len(self.prompts))
         for row, ids in zip(rows, prompts, strict=True):
             self.prompts[row] = list(ids)
@@ -378,14 +379,12 @@ class HybridDrafter:
         return self.model.encoding_time
 
     def admit(
-        self,
-        rows: list[int],
-        prompts: list[list[int]],
-        on_layer: Callable[[], None] | None = None,
+        self, rows: list[int], prompts: list[list[int]], cache: DecoderCache | None = None
     ) -> None:
-        """Give ``rows`` (restarted, or added past the batch) ``prompts``."""
+        """Give ``rows`` (restarted, or added past the batch) ``prompts``,
+        with the draft model's ``cache`` of them where encoded already."""
         self.lookup.admit(rows, prompts)
-        self.model.admit(rows, prompts, on_layer)
+        self.model.admit(rows, prompts, cache)
 
     def keep_rows(self, rows: list[int]) -> None:
         self.lookup.keep_rows(rows)

@@ -14,9 +14,10 @@ import math
 import re
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 # First, so that importing this module (or decoder) from Python gets the fast
 # BLAS on Linux too: MLX binds to an optimized BLAS only if it is loaded before mlx.
@@ -165,6 +166,12 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, mask: mx.arra
 AttentionFunction = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
 
 
+def side_by_side(heads: mx.array) -> mx.array:
+    """Attention's output [B, heads, length, d_kv] as [B, length, heads * d_kv]."""
+    batch, _, length, _ = heads.shape
+    return heads.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+
+
 # The encoder's self-attention runs over blocks of queries, each block's
 # float32 scores taking at most this many bytes: memory grows with the
 # prompt's length, not its square (no [B, heads, S, S] array exists), and a
@@ -180,6 +187,36 @@ def encoder_block_size(batch_size: int, num_heads: int, length: int) -> int:
     take at most ``ENCODER_BLOCK_BYTES``."""
     block_size = ENCODER_BLOCK_BYTES // (4 * batch_size * num_heads * length)
     return max(1, min(length, block_size))
+
+
+# The encoder works in slices of about this many multiply-adds (a block of
+# 8 MB of scores is about as much attention), so that a batch can decode
+# between two of them (see ``T5.prompt_cache_slices``): one took about 15 ms
+# on 2 cores of the Zen 4, where a round of the benchmark pair decoding one
+# row took 25 ms.
+ENCODER_SLICE_WORK = 1 << 29
+
+T = TypeVar("T")
+# Work done slice by slice: a generator that yields None after each slice
+# (computed) and returns its result; ``run_to_end`` does all of it at once.
+Slices = Generator[None, None, T]
+BlockMaskFunction = Callable[[int, int], mx.array]
+
+
+def run_to_end(slices: Slices[T]) -> T:
+    """What ``slices`` returns, every slice computed in turn."""
+    while True:
+        try:
+            next(slices)
+        except StopIteration as end:
+            return end.value
+
+
+def slice_positions(length: int, batch_size: int, work_per_position: int) -> int:
+    """Positions per slice of a product over ``batch_size`` rows of
+    ``length`` positions costing ``work_per_position`` multiply-adds each:
+    at most ``ENCODER_SLICE_WORK`` a slice."""
+    return max(1, min(length, ENCODER_SLICE_WORK // (batch_size * work_per_position)))
 
 
 @dataclass
@@ -216,16 +253,6 @@ class BlockMask:
         # The sum with the padding is an array of its own; the view alone is copied.
         return mx.contiguous(bias) if self.padding is None else bias + self.padding
 
-    def attend(
-        self, attention: AttentionFunction, queries: mx.array, keys: mx.array, values: mx.array
-    ) -> mx.array:
-        """``attention`` over every block of queries [B, heads, S, d_kv]."""
-        outputs = []
-        for start, stop in self.blocks():
-            outputs.append(attention(queries[:, :, start:stop], keys, values, self(start, stop)))
-            mx.eval(outputs[-1])  # so that one block's scores exist at a time
-        return mx.concatenate(outputs, axis=2)
-
 
 class Attention(nn.Module):
     """Multi-head attention without score scaling; T5 folds it into the
@@ -240,22 +267,11 @@ class Attention(nn.Module):
         # A backend may give its own at load (T5.use_attention).
         self.attention = attention
 
-    def attend(
-        self, queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array | BlockMask
-    ) -> mx.array:
-        """The output [B, length, d_model] for [B, heads, length, d_kv] ``queries``."""
-        return self.out_proj(self.heads_side_by_side(queries, keys, values, mask))
-
     def heads_side_by_side(
-        self, queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array | BlockMask
+        self, queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array
     ) -> mx.array:
         """The heads' outputs [B, length, heads * d_kv], before ``out_proj``."""
-        if isinstance(mask, BlockMask):
-            out = mask.attend(self.attention, queries, keys, values)
-        else:
-            out = self.attention(queries, keys, values, mask)
-        batch, _, length, _ = out.shape
-        return out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        return side_by_side(self.attention(queries, keys, values, mask))
 
 
 class SelfAttention(Attention):
@@ -269,15 +285,16 @@ class SelfAttention(Attention):
         super().__init__(args)
         self.qkv_proj = nn.Linear(args.d_model, 3 * args.num_heads * args.d_kv, bias=False)
 
-    def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Queries, keys and values of ``x`` [B, length, d_model], split
-        into heads: each [B, heads, length, d_kv], contiguous."""
+    def queries_keys_values(self, stacked: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values from the output [B, length, 3 * heads *
+        d_kv] of ``qkv_proj``, split into heads: each [B, heads, length,
+        d_kv], contiguous."""
         # Copied out of their heads' views once, for the attention's
         # products: a product copies a view whose rows are not packed, and
         # the keys', read transposed, as a transpose, several times slower
         # than this copy (the benchmark pair's 32 prompts were encoded in
         # 0.92-0.93x the time).
-        return tuple(map(mx.contiguous, self.split_stacked(self.qkv_proj(x))))
+        return tuple(map(mx.contiguous, self.split_stacked(stacked)))
 
     def split_stacked(self, stacked: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values [B, heads, length, d_kv] from the
@@ -353,11 +370,28 @@ class EncoderLayer(nn.Module):
         self.ff_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
         self.ff = FeedForward(args)
 
-    def __call__(self, x: mx.array, mask: mx.array | BlockMask) -> mx.array:
-        y = self.self_attn_norm(x)
-        queries, keys, values = self.self_attn.queries_keys_values(y)
-        x = clamp_float16(x + self.self_attn.attend(queries, keys, values, mask))
-        return clamp_float16(x + self.ff(self.ff_norm(x)))
+    def slices(
+        self, x: mx.array, blocks: list[tuple[int, int]], block_mask: BlockMaskFunction
+    ) -> Slices[mx.array]:
+        """The layer's output for ``x`` [B, S, d_model], computed in slices
+        (see ``EncoderSlices``): its products over ``blocks`` of positions,
+        its attention over the same blocks of queries (``block_mask(start,
+        stop)`` their mask); yields after each slice, computed."""
+        stacked = []
+        for start, stop in blocks:
+            stacked.append(self.self_attn.qkv_proj(self.self_attn_norm(x[:, start:stop])))
+            yield mx.eval(stacked[-1])
+        queries, keys, values = self.self_attn.queries_keys_values(mx.concatenate(stacked, 1))
+        outputs = []
+        for start, stop in blocks:
+            heads = self.self_attn.attention(
+                queries[:, :, start:stop], keys, values, block_mask(start, stop)
+            )
+            y = clamp_float16(x[:, start:stop] + self.self_attn.out_proj(side_by_side(heads)))
+            outputs.append(clamp_float16(y + self.ff(self.ff_norm(y))))
+            # One block's scores exist at a time.
+            yield mx.eval(outputs[-1])
+        return mx.concatenate(outputs, axis=1)
 
 
 # Prompts of a batch are encoded in one padded pass when the longest is at
@@ -500,35 +534,69 @@ class T5(nn.Module):
         on_layer: Callable[[], None] | None = None,
     ) -> mx.array:
         """Encoder output [B, S, d_model] for token ids [B, S]; ``mask`` marks
-        real tokens with 1 and padding with 0. Each layer is computed before
-        the next is built, and ``on_layer()`` called after it (progress)."""
+        real tokens with 1 and padding with 0. ``encode_slices``, all of it."""
+        return run_to_end(self.encode_slices(inputs, mask, on_layer))
+
+    def encode_slices(
+        self,
+        inputs: mx.array,
+        mask: mx.array | None = None,
+        on_layer: Callable[[], None] | None = None,
+    ) -> Slices[mx.array]:
+        """``encode`` in slices: each layer over blocks of positions, its
+        products over their rows and its attention over them as queries
+        (``EncoderLayer.slices``), each computed before the next is built;
+        ``on_layer()`` is called after each layer (progress)."""
         x = self.embed(inputs)
         batch, length = inputs.shape
+        projection, feed_forward = self.args._layer_work
         attn_mask = BlockMask(
             mx.contiguous(self.encoder.position_bias.table(length)),
             None if mask is None else padding_mask(mask, x.dtype),
             length,
-            encoder_block_size(batch, self.args.num_heads, length),
+            min(
+                encoder_block_size(batch, self.args.num_heads, length),
+                slice_positions(length, batch, 4 * projection + feed_forward),
+            ),
         )
-        if len(attn_mask.blocks()) == 1:  # one block: one mask, made once for every layer
-            attn_mask = attn_mask(0, length)
+        blocks, block_mask = attn_mask.blocks(), attn_mask
+        if len(blocks) == 1:  # one block: one mask, made once for every layer
+            whole_mask = attn_mask(0, length)
+            block_mask = lambda start, stop: whole_mask
         for layer in self.encoder.layers:
-            x = layer(x, attn_mask)
-            mx.eval(x)  # one layer's blocks at a time
+            x = yield from layer.slices(x, blocks, block_mask)
             if on_layer is not None:
                 on_layer()
         return self.encoder.norm(x)
 
     def make_cache(self, memory: mx.array, mask: mx.array | None = None) -> DecoderCache:
         """A fresh decoder cache for the encoder output ``memory``; ``mask``
-        marks each row's real tokens with 1 and its right padding with 0."""
-        # Read at every step: stored row-contiguous per head, so each step's
-        # products read them in place instead of copying them first.
-        cross = [
-            tuple(map(mx.contiguous, layer.cross_attn.keys_values(memory)))
-            for layer in self.decoder.layers
-        ]
+        marks each row's real tokens with 1 and its right padding with 0.
+        ``cache_slices``, all of it."""
+        return run_to_end(self.cache_slices(memory, mask))
+
+    def cache_slices(self, memory: mx.array, mask: mx.array | None = None) -> Slices[DecoderCache]:
+        """``make_cache`` in slices: each decoder layer's cross-attention
+        keys and values over blocks of positions, then joined."""
         batch, length, _ = memory.shape
+        projection, _ = self.args._layer_work
+        step = slice_positions(length, batch, 2 * projection)
+        cross = []
+        for layer in self.decoder.layers:
+            keys, values = [], []
+            for start in range(0, length, step):
+                block_keys, block_values = layer.cross_attn.keys_values(
+                    memory[:, start : start + step]
+                )
+                keys.append(block_keys)
+                values.append(block_values)
+                yield mx.eval(block_keys, block_values)
+            # Read at every step: stored row-contiguous per head, so each
+            # step's products read them in place instead of copying them first.
+            cross.append(
+                tuple(mx.contiguous(mx.concatenate(parts, axis=2)) for parts in (keys, values))
+            )
+            yield mx.eval(cross[-1])
         prompt_lengths = [length] * batch if mask is None else mask.sum(axis=1).tolist()
         return DecoderCache(cross, prompt_lengths)
 
@@ -539,25 +607,35 @@ class T5(nn.Module):
         order, encoded in the passes of ``encoder_passes``; ``on_layer()`` is
         called after each encoder layer of each pass. Computed here, so that
         prompt processing ends when it returns."""
+        return run_to_end(self.prompt_cache_slices(prompts, on_layer))
+
+    def prompt_cache_slices(
+        self, prompts: Sequence[Sequence[int]], on_layer: Callable[[], None] | None = None
+    ) -> Slices[DecoderCache]:
+        """``prompt_cache`` in slices (``encode_slices``, ``cache_slices``):
+        the same work in the same products, which a batch interleaves with
+        its rounds so that a long prompt joining it stalls no row."""
         passes = encoder_passes(prompts)
-        caches = [self._encoded([prompts[i] for i in group], on_layer) for group in passes]
+        caches = []
+        for group in passes:
+            caches.append((yield from self._encoded([prompts[i] for i in group], on_layer)))
         order = [i for group in passes for i in group]
         if len(caches) == 1 and order == sorted(order):
-            mx.eval(caches[0].cross_keys_values)
             return caches[0]
         return joined_caches(caches, [order.index(i) for i in range(len(prompts))])
 
     def _encoded(
         self, prompts: Sequence[Sequence[int]], on_layer: Callable[[], None] | None
-    ) -> DecoderCache:
-        """A fresh decoder cache for ``prompts``, encoded in one padded pass."""
+    ) -> Slices[DecoderCache]:
+        """A fresh decoder cache for ``prompts``, encoded in one padded pass, in slices."""
         width = max(map(len, prompts))
         pad = [self.args.pad_token_id]
         inputs = mx.array([list(ids) + pad * (width - len(ids)) for ids in prompts])
         mask = None
         if any(len(ids) < width for ids in prompts):
             mask = mx.arange(width) < mx.array([len(ids) for ids in prompts])[:, None]
-        return self.make_cache(self.encode(inputs, mask, on_layer), mask)
+        memory = yield from self.encode_slices(inputs, mask, on_layer)
+        return (yield from self.cache_slices(memory, mask))
 
     def decode(self, decoder_inputs: mx.array, cache: DecoderCache) -> mx.array:
         """Logits [B, T, vocab] for the next token after each of the T new

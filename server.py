@@ -480,6 +480,7 @@ class Engine:
             speculative=self.speculative,
             max_batch_size=self.max_batch_size,
             cost_batch_size=self.max_batch_size,
+            interleave_encoding=True,
         )
 
     def _count(self, generator) -> None:
