@@ -278,3 +278,50 @@ def test_prompt_progress_counts_every_encoder_layer(mode, prompts, passes, decod
     )
     assert calls == [(done, layers) for done in range(layers + 1)]
     assert (result.n_draft > 0) == mode.startswith("draft model")
+
+
+def test_a_short_prompt_decodes_while_a_long_one_encodes(decoding_pair, monkeypatch):
+    """Interleaving, a long prompt's encoding is sliced between rounds: a
+    short prompt sent after it began joins and finishes while it still
+    encodes (counted in events and slices, not timed), and both get the
+    text they get alone, with the draft model encoding each too."""
+    import decoder as decoder_module
+    import model as model_module
+
+    model, draft_model, tokenizer = decoding_pair
+    decoder = SpeculativeDecoder(model, draft_model, tokenizer, num_draft=2)
+    long_prompt = [5 + i % 40 for i in range(300)] + [1]
+    projection, feed_forward = model.args._layer_work
+    monkeypatch.setattr(model_module, "ENCODER_SLICE_WORK", 16 * (4 * projection + feed_forward))
+    monkeypatch.setattr(decoder_module, "IDLE_ENCODING_SECONDS", 0.0)
+    generator = decoder.batch_generator(max_batch_size=4, interleave_encoding=True)
+    long_uid = generator.insert(long_prompt, max_tokens=MAX_NEW)
+    assert generator.next() == [] and len(generator.encodings) == 1  # one slice of it
+    short_uid = generator.insert(PROMPTS[0], max_tokens=MAX_NEW)
+    last, short_rounds = {}, 0
+    while short_uid not in last or not last[short_uid].finished:
+        events = dict(generator.next())
+        assert long_uid not in events
+        assert long_uid in (row.uid for encoding in generator.encodings for row in encoding.rows)
+        short_rounds += short_uid in events
+        last |= events
+    assert short_rounds > 1
+    last |= drain(generator)
+    assert last[short_uid].tokens == decoder.generate(PROMPTS[0], max_tokens=MAX_NEW).tokens
+    assert last[long_uid].tokens == decoder.generate(long_prompt, max_tokens=MAX_NEW).tokens
+
+
+def test_a_prompt_cancelled_while_encoding_leaves_nothing(decoding_pair):
+    """A prompt cancelled while its pass encodes leaves the generator, its
+    pass too when no prompt of it is left."""
+    import decoder as decoder_module
+
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
+    generator = decoder.batch_generator(max_batch_size=4, interleave_encoding=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decoder_module, "IDLE_ENCODING_SECONDS", 0.0)
+        uid = generator.insert([5 + i % 40 for i in range(300)] + [1])
+        generator.next()
+    assert len(generator) == 1 and generator.encodings
+    generator.cancel(uid)
+    assert len(generator) == 0 and not generator.encodings and generator.next() == []

@@ -302,3 +302,37 @@ def test_bfloat16_is_close_to_float32(converted):
     # round-off, so ask for logits that move together, not equal ones.
     correlation = np.corrcoef(np.array(logits16).ravel(), np.array(logits32).ravel())[0, 1]
     assert correlation > 0.95
+
+
+def test_encoding_slice_by_slice_is_the_whole_encoding(converted, monkeypatch):
+    """``prompt_cache_slices`` stepped a slice at a time gives ``prompt_cache``'s
+    cache exactly (the same products), over many slices of a padded pass and
+    a pass of its own; and slices of 7 positions are the single block's
+    encoding within float32 round-off of other product shapes."""
+    model = load_model(converted("relu_tied"))
+    prompts = [random_ids((60,), model.args.vocab_size, seed) for seed in (20, 21)]
+    prompts = [p.tolist() for p in prompts] + [[5, 6, 1]]
+    whole = model.prompt_cache(prompts)
+    projection, feed_forward = model.args._layer_work
+    # Two rows of 7 positions a slice in the padded pass of the 60-token prompts.
+    monkeypatch.setattr(model_module, "ENCODER_SLICE_WORK", 2 * 7 * (4 * projection + feed_forward))
+    expected = model.prompt_cache(prompts)
+    slices = model.prompt_cache_slices(prompts)
+    count = 0
+    while True:
+        try:
+            next(slices)
+            count += 1
+        except StopIteration as end:
+            sliced = end.value
+            break
+    # 9 blocks of positions, twice per layer, in the 60-token pass alone.
+    assert count >= 2 * 9 * model.args.num_layers
+    assert sliced.prompt_lengths == whole.prompt_lengths == [60, 60, 3]
+    for (keys, values), (expected_keys, expected_values), (whole_keys, whole_values) in zip(
+        sliced.cross_keys_values, expected.cross_keys_values, whole.cross_keys_values
+    ):
+        assert mx.array_equal(keys, expected_keys) and mx.array_equal(values, expected_values)
+        for array, reference in ((keys, whole_keys), (values, whole_values)):
+            scale = float(mx.abs(reference).max())
+            assert float(mx.abs(array - reference).max()) <= 1e-5 * scale
