@@ -82,7 +82,8 @@ def build_parser() -> ArgumentParser:
         "--max-prompt-tokens",
         type=POSITIVE,
         help="the longest prompt accepted, in tokens (default: the longest that fits in "
-        "memory with a full batch)",
+        "memory with a full batch and at most doubles a decoding step's work for the "
+        "rows beside it)",
     )
     add("--max-body-bytes", type=POSITIVE, default=1_000_000, help="largest request body")
     add("--host", default="127.0.0.1", help="address to listen on")
@@ -502,7 +503,7 @@ class Engine:
             if len(prompt_ids) > self.max_prompt_tokens:
                 message = (
                     f"{prompt_name(settings.is_list, index)} has {len(prompt_ids)} tokens, more "
-                    f"than the {self.max_prompt_tokens} this server accepts (its memory limit)"
+                    f"than the {self.max_prompt_tokens} this server accepts"
                 )
                 self._refuse(job, RequestError(400, message, "prompt"))
                 return
@@ -858,9 +859,10 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def prompt_token_limit(paths: list[Path], max_tokens: int, batch_size: int) -> int:
     """The longest prompt, in tokens, for which a full batch at ``max_tokens``
-    fits in memory by main.py's estimate."""
+    fits in memory by main.py's estimate, and which costs the rows beside it
+    at most half their speed (``cost_token_limit``)."""
     from main import available_memory, runtime_bytes
-    from model import weights_file
+    from model import load_config, weights_file
 
     weights = sum(weights_file(path).stat().st_size for path in paths)
     budget = available_memory() - weights
@@ -876,7 +878,18 @@ def prompt_token_limit(paths: list[Path], max_tokens: int, batch_size: int) -> i
     while low < high:  # the largest length that fits
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return low
+    return min(low, cost_token_limit(load_config(paths[0])))
+
+
+def cost_token_limit(args) -> int:
+    """The longest prompt whose cross-attention costs a decoded token no
+    more multiply-adds than the rest of the main model's step
+    (``ModelArgs.decode_work``). Its encoding is sliced between the rounds
+    (``BatchGenerator``), but once it joins, every row's cross-attention
+    widens to its length: the rows beside it then decode at no less than
+    about half their speed."""
+    per_prompt_token = args.num_decoder_layers * 2 * args.num_heads * args.d_kv
+    return max(1, args.decode_work // per_prompt_token)
 
 
 def serve(args: argparse.Namespace) -> int:

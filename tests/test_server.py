@@ -611,3 +611,17 @@ def test_an_unknown_host_is_an_error_naming_it():
 
     with pytest.raises(OSError, match=r"^cannot listen on no-such-host\.invalid:8080: "):
         listening_socket("no-such-host.invalid", 8080)
+
+
+def test_the_default_prompt_limit_bounds_what_a_prompt_costs_others():
+    """By default a prompt may widen every row's cross-attention only up to
+    the decoding step's other work (so the rows beside it keep about half
+    their speed): the benchmark pair's main model's shape, 2,862 tokens."""
+    from model import ModelArgs
+    from server import cost_token_limit
+
+    args = ModelArgs(3000, 256, 64, 8192, 8, 8, 16)
+    limit = cost_token_limit(args)
+    cross_attention = args.num_decoder_layers * 2 * args.num_heads * args.d_kv
+    assert limit * cross_attention <= args.decode_work < (limit + 1) * cross_attention
+    assert limit == 2862
