@@ -585,7 +585,11 @@ class BatchGenerator:
             if self.drafter is not None:
                 self.drafter.admit(places, prompts, draft_cache)
         prompt_time = encoding.seconds / len(joining)
-        calibration_time = self._calibrate(joining) if self.draft_length is None else 0.0
+        calibration_time = 0.0
+        if self.draft_length is None:
+            # The first rows: those of every pass that began with these, in the order they came.
+            first = joining + [row for other in self.encodings for row in other.rows]
+            calibration_time = self._calibrate(sorted(first, key=lambda row: row.uid))
         for place, row in zip(places, joining):
             row.sequence = [self.decoder.model.args.decoder_start_token_id]
             row.key = row_key(row.seed) if not row.sampling.greedy else GREEDY_KEY

@@ -274,13 +274,14 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     (its queries, keys and values, and one block's scores: the encoder
     works over blocks of queries whose scores take at most
     ``model.ENCODER_BLOCK_BYTES``, so memory grows with the prompt, not its
-    square) and the feed-forward block's hidden layer."""
+    square) and the feed-forward block's hidden layer (over the same block
+    of positions, ``model.T5.encode_slices``)."""
     import mlx.core as mx
 
     from cache import KVCache
     from cpu.attention import SOFTMAX_CPU_MIN_SCORES
     from decoder import MAX_AUTO_DRAFT
-    from model import encoder_block_size, load_config
+    from model import encoder_block_size, load_config, slice_positions
 
     args = load_config(path)
     config = json.loads((path / "config.json").read_text())
@@ -289,7 +290,11 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     decoded = KVCache.step * math.ceil((max_tokens + MAX_AUTO_DRAFT + 1) / KVCache.step)
     cache = 2 * args.num_decoder_layers * (prompt_tokens + decoded) * inner
     residual = 2 * prompt_tokens * args.d_model  # the layer's input and its norm
-    block_size = encoder_block_size(1, args.num_heads, prompt_tokens)
+    projection, feed_forward_work = args._layer_work
+    block_size = min(
+        encoder_block_size(1, args.num_heads, prompt_tokens),
+        slice_positions(prompt_tokens, 1, 4 * projection + feed_forward_work),
+    )
     # Queries, keys, values and the output; over blocks also their
     # contiguous copies and the output's blocks.
     attention_values = prompt_tokens * inner * (4 if block_size == prompt_tokens else 8)
@@ -300,11 +305,9 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     attention = attention_values * value_bytes + factor * 4 * scores
     gated = args.feed_forward_proj.startswith("gated-")
     hidden = GATED_FEED_FORWARD_VALUES if gated else FEED_FORWARD_VALUES
-    feed_forward = hidden * prompt_tokens * args.d_ff * value_bytes
-    # A layer over one block is one computation, whose two peaks can overlap.
-    encoder = (
-        max(attention, feed_forward) if block_size < prompt_tokens else attention + feed_forward
-    )
+    feed_forward = hidden * block_size * args.d_ff * value_bytes
+    # A block's attention and feed-forward block are one computation, whose two peaks can overlap.
+    encoder = attention + feed_forward
     return int((cache + residual) * value_bytes + encoder)
 
 

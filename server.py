@@ -887,9 +887,14 @@ def cost_token_limit(args) -> int:
     (``ModelArgs.decode_work``). Its encoding is sliced between the rounds
     (``BatchGenerator``), but once it joins, every row's cross-attention
     widens to its length: the rows beside it then decode at no less than
-    about half their speed."""
+    about half their speed. Never below ``COST_LIMIT_FLOOR``."""
     per_prompt_token = args.num_decoder_layers * 2 * args.num_heads * args.d_kv
-    return max(1, args.decode_work // per_prompt_token)
+    return max(COST_LIMIT_FLOOR, args.decode_work // per_prompt_token)
+
+
+# A small model's step is mostly fixed costs that multiply-adds do not
+# count: cost_token_limit accepts prompts up to this length whatever the model.
+COST_LIMIT_FLOOR = 2048
 
 
 def serve(args: argparse.Namespace) -> int:

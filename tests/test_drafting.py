@@ -43,7 +43,7 @@ class CopyingModel:
     fifth the model chooses alone. Its output copies long spans of the
     prompt but not all of it, as a restoring or correcting model does. It
     never ends a sequence, so every run fills max_tokens. The decoder sees
-    only ``args``, ``prompt_cache``, ``decode`` and (measuring costs for
+    only ``args``, ``prompt_cache`` (and its slices), ``decode`` and (measuring costs for
     auto) ``encode`` and ``make_cache``; one prompt at a time."""
 
     def __init__(self, model):
@@ -54,6 +54,11 @@ class CopyingModel:
         (prompt,) = prompts
         self.source = mx.array(prompt[:-1])  # the prompt without its end of sequence
         return self.model.prompt_cache(prompts, on_layer)
+
+    def prompt_cache_slices(self, prompts: list[list[int]], on_layer=None):
+        (prompt,) = prompts
+        self.source = mx.array(prompt[:-1])  # the prompt without its end of sequence
+        return self.model.prompt_cache_slices(prompts, on_layer)
 
     def encode(self, prompt_ids: mx.array) -> mx.array:
         self.source = prompt_ids[0, :-1]  # the prompt without its end of sequence

@@ -616,12 +616,14 @@ def test_an_unknown_host_is_an_error_naming_it():
 def test_the_default_prompt_limit_bounds_what_a_prompt_costs_others():
     """By default a prompt may widen every row's cross-attention only up to
     the decoding step's other work (so the rows beside it keep about half
-    their speed): the benchmark pair's main model's shape, 2,862 tokens."""
+    their speed): the benchmark pair's main model's shape, 2,862 tokens; a
+    small model's, never below COST_LIMIT_FLOOR."""
     from model import ModelArgs
-    from server import cost_token_limit
+    from server import COST_LIMIT_FLOOR, cost_token_limit
 
     args = ModelArgs(3000, 256, 64, 8192, 8, 8, 16)
     limit = cost_token_limit(args)
     cross_attention = args.num_decoder_layers * 2 * args.num_heads * args.d_kv
     assert limit * cross_attention <= args.decode_work < (limit + 1) * cross_attention
     assert limit == 2862
+    assert cost_token_limit(ModelArgs(200, 32, 8, 64, 2, 2, 4)) == COST_LIMIT_FLOOR
