@@ -44,6 +44,7 @@ from cli import SEEDS, is_seed
 from drafting import (
     DRAFT_SOURCES,
     MAX_AUTO_DRAFT,
+    Deliveries,
     Draft,
     DraftLength,
     HybridDrafter,
@@ -288,7 +289,8 @@ class BatchGenerator:
         a new result object every time, ``result.finished`` on a prompt's
         last (end of sequence or its ``max_tokens``). Empty when nothing
         decodes or waits."""
-        self._admit()
+        round_start = time.perf_counter()
+        shared_seconds = self._admit()
         self._drop_free_rows()
         live = [row for row in self.rows if row is not None]
         if not live:
@@ -312,7 +314,10 @@ class BatchGenerator:
             next_keys, verify_keys, draft_keys = split_keys(row_keys, 3)
         draft = None
         encoded_before = self.drafter.encoding_time if self.drafter is not None else 0.0
-        if self.drafter is not None and max(limits) > 0:
+        if self.drafter is not None and not self.draft_length.allows_drafting(len(rows)):
+            if self.draft_length.deliveries.vetoes(len(rows)) and self._started_model_drafter():
+                self._started_model_drafter().suspend()
+        elif self.drafter is not None and max(limits) > 0:
             drafting_rows = [row.acceptance for row, limit in zip(rows, limits) if limit > 0]
             choose = functools.partial(
                 self.draft_length.choose,
@@ -345,6 +350,7 @@ class BatchGenerator:
         if self.drafter is not None:
             encoding_time = self.drafter.encoding_time - encoded_before
         events = []
+        delivered = 0  # tokens, over every row
         eos = decoder.model.args.eos_token_id
         for i, (row, accepted, next_token, draft_tokens) in enumerate(
             zip(rows, num_accepted.tolist(), next_tokens.tolist(), draft.tokens.tolist())
@@ -375,6 +381,7 @@ class BatchGenerator:
             result.n_accepted += accepted
             result.n_rejected += int(rejected)
             row.sequence += new_tokens
+            delivered += len(new_tokens)
             result.tokens += new_tokens
             result.from_draft += [j < accepted for j in range(len(new_tokens))]
             result.text = decoder.tokenizer.decode(result.tokens, skip_special_tokens=True)
@@ -384,8 +391,19 @@ class BatchGenerator:
             if result.finished:
                 self._free(i)
         if self.draft_length is not None:
-            self.draft_length.timed(draft, time.perf_counter() - tic - encoding_time)
+            end = time.perf_counter()
+            self.draft_length.timed(draft, end - tic - encoding_time)
+            self.draft_length.delivered(
+                len(rows), any(draft.lengths), delivered, end - round_start - shared_seconds
+            )
         return events
+
+    def _started_model_drafter(self) -> ModelDrafter | None:
+        """The drafter's draft model (a hybrid drafter's too), if started."""
+        drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
+        if isinstance(drafter, ModelDrafter) and drafter.cache is not None:
+            return drafter
+        return None
 
     def _draft_start_cost(self, live: list[Row], limits: list[int]) -> float:
         """What a lazy draft model that has not started would cost to start
@@ -396,8 +414,7 @@ class BatchGenerator:
         tokens the rows have left, in plain steps over the fewest rows at
         least as many as the batch's that a plain step was timed or
         calibrated over. 0 once started, or with none."""
-        drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
-        if not isinstance(drafter, ModelDrafter) or drafter.cache is not None:
+        if self.decoder.draft_model is None or self._started_model_drafter():
             return 0.0
         decoder = self.decoder
         timed = self.draft_length.times.seconds
@@ -451,14 +468,16 @@ class BatchGenerator:
         if self.drafter is not None:
             self.drafter.keep_rows(kept)
 
-    def _admit(self) -> None:
+    def _admit(self) -> float:
         """Let waiting prompts take free rows, then new ones up to
-        ``max_batch_size``; encode them together."""
+        ``max_batch_size``; encode them together. The seconds spent on what
+        every mode pays alike (see ``Deliveries``): the main model's
+        encoding of the prompts and auto's calibration."""
         free = self.rows.count(None)
         capacity = free + self.max_batch_size - len(self.rows)
         joining = [self.waiting.popleft() for _ in range(min(capacity, len(self.waiting)))]
         if not joining:
-            return
+            return 0.0
         places = [i for i, row in enumerate(self.rows) if row is None][: len(joining)]
         for place in places:
             del self.freed[place]
@@ -469,6 +488,7 @@ class BatchGenerator:
         start = time.perf_counter()
         on_layer = self._layer_progress(prompts)
         cache = self.decoder.model.prompt_cache(prompts, on_layer)
+        encoding_seconds = time.perf_counter() - start
         if self.main_cache is None:
             self.main_cache = cache
             if self.speculative:
@@ -490,6 +510,7 @@ class BatchGenerator:
             )
             row.start = start
             self.rows[place] = row
+        return encoding_seconds + calibration_time
 
     def _layer_progress(self, prompts: list[list[int]]) -> Callable[[], None] | None:
         """What the encoders call after each layer, to report ``prompts``'
@@ -527,7 +548,11 @@ class BatchGenerator:
             (*drafting, sampling, decoder.delta), acceptance_counts()
         )
         times = decoder.round_times.setdefault((*drafting, sampling.greedy), RoundTimes())
-        self.draft_length = DraftLength(decoder.num_draft, costs, earlier, times)
+        # What choices deliver depends on acceptance and round times alike.
+        deliveries = decoder.deliveries.setdefault(
+            (*drafting, sampling, decoder.delta), Deliveries()
+        )
+        self.draft_length = DraftLength(decoder.num_draft, costs, earlier, times, deliveries)
         return time.perf_counter() - tic if decoder.num_draft == "auto" else 0.0
 
 
@@ -580,6 +605,7 @@ class SpeculativeDecoder:
         self.plain_step_seconds: dict[int, float] = {}
         self.acceptance = {}  # per way of drafting: see DraftLength
         self.round_times = {}  # per way of drafting: see RoundTimes
+        self.deliveries = {}  # per way of drafting: see Deliveries
 
     @property
     def drafting(self) -> str:
