@@ -466,15 +466,15 @@ def test_a_lazy_model_drafter_encodes_its_rows_prompts_when_it_first_drafts(deco
     assert wrong.propose(sequences, greedy, lambda source: 3, [3, 3]).tokens.tolist() != (
         drafts[0].tokens.tolist()
     )
-    # Suspended, the lazy drafter drops its cache; rows that join and leave
-    # meanwhile, and the tokens of plain steps, are caught up on when it
-    # drafts again, as the eager drafter's.
+    # Suspended, the lazy drafter drops its cache and drafts again as the
+    # eager drafter does: from the prompts of the rows that joined and left
+    # while it drafted, caught up on their tokens.
     first_draft_token = drafts[0].tokens.tolist()[0][0]
-    lazy.suspend()
-    assert lazy.cache is None
     for drafter in drafters:
         drafter.admit([2], [prompts[1]])
         drafter.keep_rows([2, 0])  # a new row 0; row 0 now row 1
+    lazy.suspend()
+    assert lazy.cache is None
     # Row 1 accepted its first draft token, then made a plain step.
     sequences = [[start, 4], [start, 5, 7, first_draft_token, 9]]
     drafts = [drafter.propose(sequences, greedy, lambda source: 2, [2, 2]) for drafter in drafters]
