@@ -60,11 +60,14 @@ PRIOR_WEIGHT = 4
 NEAREST_ROWS_RATIO = 1.5
 # "auto" judges its choices by the tokens they deliver (``Deliveries``): per
 # bucket of batch sizes (``rows_bucket``), the seconds and tokens of the last
-# this many rounds that drafted and of those that did not.
+# this many rounds that drafted and of those that did not. A bucket is
+# judged once this many rounds drafted, and a trial of drafting where it
+# lost is this many rounds: fewer weighed the draft model's start too much
+# (at one row of the benchmark pair, the first of 4 drafted rounds took
+# 40-48 ms where the others took 25-38 and a plain step 20).
 JUDGED_ROUNDS = 8
-# Rounds of each kind a bucket needs before it is judged (plain steps first),
-# and the rounds of a trial of drafting where drafting lost.
-SPAN_ROUNDS = 4
+# Plain steps first in a bucket not yet judged, to judge drafting against.
+PLAIN_FIRST = 4
 # Where drafting lost, the plain time to run before the next trial is what
 # the last one lost over this share: trials cost at most this share of the
 # time where drafting never pays (the issue's bound: 3%).
@@ -599,7 +602,7 @@ class Verdict:
         plain ones (once both were measured), and then wait, before the next
         trial, for plain rounds of the time the rounds drafted since the
         last judgement lost over EXPLORATION_SHARE."""
-        if len(self.plain) < SPAN_ROUNDS or len(self.drafted) < SPAN_ROUNDS:
+        if len(self.plain) < PLAIN_FIRST or len(self.drafted) < JUDGED_ROUNDS:
             return
         plain = seconds_per_token(self.plain)
         self.vetoed = seconds_per_token(self.drafted) > plain
@@ -620,15 +623,15 @@ class Deliveries:
     alike is left out (the main model's encoding of joining prompts, and
     auto's calibration).
 
-    Before a bucket's rounds are judged, its first SPAN_ROUNDS rounds are
-    plain steps, so that drafting is judged against plain steps of the
-    same rows; then the cost model (``DraftLength.choose``) decides, and
-    every round is judged by the last JUDGED_ROUNDS of each kind: once
-    drafted rounds delivered fewer tokens per second than plain ones,
-    drafting is vetoed there (the draft model dropped: see
+    A bucket not yet judged first takes PLAIN_FIRST plain steps, so that
+    drafting is judged against plain steps of the same rows; then the cost
+    model (``DraftLength.choose``) decides, and once JUDGED_ROUNDS rounds
+    drafted, every round is judged by the last JUDGED_ROUNDS of each kind:
+    where drafted rounds delivered fewer tokens per second than plain ones,
+    drafting is vetoed (the draft model dropped: see
     ``ModelDrafter.suspend``). Conditions change (acceptance, rows, the
     machine's load), so a vetoed bucket tries drafting again for
-    SPAN_ROUNDS rounds after plain rounds that ran the time the last
+    JUDGED_ROUNDS rounds after plain rounds that ran the time the last
     trial lost over EXPLORATION_SHARE, and is judged again after it."""
 
     def __init__(self):
@@ -637,7 +640,7 @@ class Deliveries:
     def allows_drafting(self, batch_size: int) -> bool:
         """Whether a round over ``batch_size`` rows may draft."""
         verdict = self.verdicts.get(rows_bucket(batch_size), Verdict())
-        if len(verdict.plain) < SPAN_ROUNDS:
+        if len(verdict.plain) < PLAIN_FIRST:
             return False
         return not verdict.vetoed or verdict.trial > 0
 
@@ -666,7 +669,7 @@ class Deliveries:
         else:
             verdict.wait -= seconds
             if verdict.wait <= 0:
-                verdict.trial = SPAN_ROUNDS
+                verdict.trial = JUDGED_ROUNDS
 
 
 class DraftLength:

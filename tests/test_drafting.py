@@ -12,9 +12,10 @@ from decoder import SpeculativeDecoder
 from drafting import (
     EXPLORATION_SHARE,
     HOPELESS_PROBE_EVERY,
+    JUDGED_ROUNDS,
     MAX_AUTO_DRAFT,
+    PLAIN_FIRST,
     PROBE_EVERY,
-    SPAN_ROUNDS,
     STEADY_CATCH_UP,
     TIMED_ROUNDS,
     Deliveries,
@@ -679,24 +680,26 @@ def test_drafting_that_delivers_less_than_plain_steps_is_abandoned():
     # 8 rows: a plain step delivers 8 tokens in 10 ms; a drafted round 14 in
     # 20 ms, 0.875x the tokens per second.
     deliveries = Deliveries()
-    drafted = run_deliveries(deliveries, plain_or_drafted((8, 0.010), (14, 0.020)), 200)
+    drafted = run_deliveries(deliveries, plain_or_drafted((8, 0.010), (14, 0.020)), 300)
     # Plain steps first, then the rounds the cost model drafts, judged once
-    # there are SPAN_ROUNDS of each: abandoned.
-    assert drafted[: 2 * SPAN_ROUNDS] == [False] * SPAN_ROUNDS + [True] * SPAN_ROUNDS
+    # JUDGED_ROUNDS drafted: abandoned.
+    judged = PLAIN_FIRST + JUDGED_ROUNDS
+    assert drafted[:judged] == [False] * PLAIN_FIRST + [True] * JUDGED_ROUNDS
     assert deliveries.vetoes(8)
-    # Those rounds lost 4 x (20 - 14 x 10 / 8) = 10 ms: the next trial after
-    # 10 / EXPLORATION_SHARE = 500 ms of plain steps, 50 of them.
-    wait = round(4 * (0.020 - 14 * 0.010 / 8) / EXPLORATION_SHARE / 0.010)
-    trial = 2 * SPAN_ROUNDS + wait
-    assert drafted[2 * SPAN_ROUNDS : trial] == [False] * wait
-    assert drafted[trial : trial + SPAN_ROUNDS + 1] == [True] * SPAN_ROUNDS + [False]
+    # Those rounds lost 8 x (20 - 14 x 10 / 8) = 20 ms: the next trial after
+    # 20 / EXPLORATION_SHARE = 1000 ms of plain steps, 100 of them.
+    wait = round(JUDGED_ROUNDS * (0.020 - 14 * 0.010 / 8) / EXPLORATION_SHARE / 0.010)
+    assert wait == 100
+    trial = judged + wait
+    assert drafted[judged:trial] == [False] * wait
+    assert drafted[trial : trial + JUDGED_ROUNDS + 1] == [True] * JUDGED_ROUNDS + [False]
 
 
 def test_drafting_that_delivers_more_than_plain_steps_is_kept():
     # A drafted round delivers 14 tokens in 15 ms: 1.07x the tokens per second.
     deliveries = Deliveries()
     drafted = run_deliveries(deliveries, plain_or_drafted((8, 0.010), (14, 0.015)), 500)
-    assert drafted == [False] * SPAN_ROUNDS + [True] * (500 - SPAN_ROUNDS)
+    assert drafted == [False] * PLAIN_FIRST + [True] * (500 - PLAIN_FIRST)
     assert not deliveries.vetoes(8)
 
 
@@ -710,10 +713,10 @@ def test_deliveries_are_judged_by_everything_a_round_waits_for():
     def deliver(drafts: bool, i: int) -> tuple[int, float]:
         if not drafts:
             return 8, 0.010
-        return 14, 0.015 + (0.100 if i == SPAN_ROUNDS else 0.0)
+        return 14, 0.015 + (0.100 if i == PLAIN_FIRST else 0.0)
 
-    drafted = run_deliveries(deliveries, deliver, 3 * SPAN_ROUNDS)
-    assert drafted == [False] * SPAN_ROUNDS + [True] * SPAN_ROUNDS + [False] * SPAN_ROUNDS
+    drafted = run_deliveries(deliveries, deliver, PLAIN_FIRST + 2 * JUDGED_ROUNDS)
+    assert drafted == [False] * PLAIN_FIRST + [True] * JUDGED_ROUNDS + [False] * JUDGED_ROUNDS
 
 
 def test_drafting_is_judged_at_the_batchs_size():
@@ -728,7 +731,7 @@ def test_drafting_is_judged_at_the_batchs_size():
     assert deliveries.vetoes(32) and deliveries.vetoes(23)
     assert not deliveries.vetoes(22)
     drafted = run_deliveries(deliveries, plain_or_drafted((16, 0.020), (28, 0.025)), 20, 16)
-    assert drafted == [False] * SPAN_ROUNDS + [True] * (20 - SPAN_ROUNDS)
+    assert drafted == [False] * PLAIN_FIRST + [True] * (20 - PLAIN_FIRST)
 
 
 @pytest.mark.parametrize("loss", [1.05, 1.5, 4.0])
@@ -747,7 +750,7 @@ def test_exploration_costs_at_most_its_share_where_drafting_never_pays(loss):
         return 14, 14 * 0.010 / 8 * loss + start
 
     drafted = [False]
-    first = 2 * SPAN_ROUNDS
+    first = PLAIN_FIRST + JUDGED_ROUNDS
     run_deliveries(deliveries, deliver, first)
     seconds = tokens = 0.0
 
@@ -768,15 +771,17 @@ def test_drafting_that_starts_paying_is_taken_up_again():
     """A vetoed bucket tries drafting again: once it pays (a new prompt that
     the draft agrees with, say), the next trial finds it, and it is kept."""
     deliveries = Deliveries()
-    run_deliveries(deliveries, plain_or_drafted((8, 0.010), (14, 0.020)), 2 * SPAN_ROUNDS)
+    run_deliveries(
+        deliveries, plain_or_drafted((8, 0.010), (14, 0.020)), PLAIN_FIRST + JUDGED_ROUNDS
+    )
     assert deliveries.vetoes(8)
     # Drafted rounds now deliver 1.6x the tokens per second.
     drafted = run_deliveries(deliveries, plain_or_drafted((8, 0.010), (20, 0.0156)), 400)
+    # The wait the losing rounds earned (see the test above), in plain
+    # steps; then the trial's rounds, the last JUDGED_ROUNDS drafted, win.
     taken_up = drafted.index(True)
-    assert taken_up <= 60  # the wait the losing rounds earned, in plain steps
-    # The trial's rounds, with the losing ones still among the last
-    # JUDGED_ROUNDS, leave it vetoed until the trials' rounds outweigh them.
-    assert all(drafted[-100:])
+    assert taken_up == 100
+    assert all(drafted[taken_up:])
     assert not deliveries.vetoes(8)
 
 
@@ -839,16 +844,20 @@ def test_auto_abandons_a_draft_model_whose_rounds_deliver_less(decoding_pair):
     """The cost model (a draft step at 0.1 plain steps) would draft every
     round, but each draft-model pass costs products that are computed only
     when the round's tokens are read: drafted rounds deliver far fewer
-    tokens per second than plain steps. auto drafts SPAN_ROUNDS rounds
+    tokens per second than plain steps. auto drafts JUDGED_ROUNDS rounds
     after as many plain steps, then steps plainly with its draft model
     dropped; the decoder's next batch starts from that verdict."""
     model, draft_model, tokenizer = decoding_pair
     decoder = SpeculativeDecoder(model, LazilySlow(draft_model, 12), tokenizer, num_draft="auto")
     cheap_drafts(decoder, judged=True)
     rounds = [(drafts, started) for rows, drafts, started in batch_of_two(decoder) if rows == 2]
-    span = [(False, False)] * SPAN_ROUNDS
-    assert rounds[: 3 * SPAN_ROUNDS] == span + [(True, True)] * SPAN_ROUNDS + span
-    assert (True, True) not in rounds[3 * SPAN_ROUNDS :]
+    # The drafted rounds, and the cost model's own plain probe (its PROBE_EVERY-th round).
+    judged = PLAIN_FIRST + JUDGED_ROUNDS + 1
+    assert rounds[:PLAIN_FIRST] == [(False, False)] * PLAIN_FIRST
+    assert [drafts for drafts, _ in rounds[:judged]].count(True) == JUDGED_ROUNDS
+    # Then plain steps, the draft model dropped.
+    assert rounds[judged:] == [(False, False)] * (len(rounds) - judged)
+    assert len(rounds) > judged + 4
     assert not any(drafts for rows, drafts, _ in batch_of_two(decoder) if rows == 2)
 
 
@@ -860,10 +869,11 @@ def test_auto_keeps_a_draft_model_whose_rounds_deliver_more(decoding_pair):
     model, _, tokenizer = decoding_pair
     decoder = SpeculativeDecoder(LazilySlow(model, 12), model, tokenizer, num_draft="auto")
     cheap_drafts(decoder, judged=True)
-    first = [drafts for rows, drafts, _ in batch_of_two(decoder, 3 * MAX_TOKENS) if rows == 2]
-    # Every round after them drafts but the cost model's own plain probe
-    # (its PROBE_EVERY-th round).
-    assert first[:SPAN_ROUNDS] == [False] * SPAN_ROUNDS
-    assert first[SPAN_ROUNDS:].count(False) <= 1 and len(first) > 2 * SPAN_ROUNDS
-    later = [drafts for rows, drafts, _ in batch_of_two(decoder, 3 * MAX_TOKENS) if rows == 2]
-    assert later.count(False) <= 1 and len(later) > 2 * SPAN_ROUNDS
+    rounds = []
+    while len(rounds) < PLAIN_FIRST + 3 * JUDGED_ROUNDS:  # batch after batch
+        rounds += [drafts for rows, drafts, _ in batch_of_two(decoder, 3 * MAX_TOKENS) if rows == 2]
+    # Every round after them drafts but the cost model's own plain probes
+    # (one in PROBE_EVERY rounds at most).
+    assert rounds[:PLAIN_FIRST] == [False] * PLAIN_FIRST
+    assert rounds[PLAIN_FIRST:].count(False) <= len(rounds) / PROBE_EVERY
+    assert not next(iter(decoder.deliveries.values())).vetoes(2)
