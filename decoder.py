@@ -315,8 +315,11 @@ class BatchGenerator:
         draft = None
         encoded_before = self.drafter.encoding_time if self.drafter is not None else 0.0
         if self.drafter is not None and not self.draft_length.allows_drafting(len(rows)):
-            if self.draft_length.deliveries.vetoes(len(rows)) and self._started_model_drafter():
-                self._started_model_drafter().suspend()
+            # A plain step: to judge drafting by, or drafting was measured not
+            # to pay here, and then the draft model costs nothing meanwhile.
+            started = self._started_model_drafter()
+            if started is not None and self.draft_length.deliveries.vetoes(len(rows)):
+                started.suspend()
         elif self.drafter is not None and max(limits) > 0:
             drafting_rows = [row.acceptance for row, limit in zip(rows, limits) if limit > 0]
             choose = functools.partial(

@@ -786,14 +786,14 @@ def test_drafting_that_starts_paying_is_taken_up_again():
 
 
 class LazilySlow:
-    """A model whose every decoder pass adds ``products`` products of 384 x
-    384 matrices that MLX computes only when the pass's results are read,
+    """A model whose every decoder pass adds ``products`` products of 256 x
+    256 matrices that MLX computes only when the pass's results are read,
     as it computes on a GPU: the decoder waits for them where it reads a
     round's tokens, not when the pass returns."""
 
     def __init__(self, model, products: int):
         self.model, self.products = model, products
-        self.weight = mx.random.normal((384, 384), key=mx.random.key(0)) / 20
+        self.weight = mx.random.normal((256, 256), key=mx.random.key(0)) / 16
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -806,49 +806,35 @@ class LazilySlow:
         return logits + 0.0 * mx.sum(x)
 
 
-def rounds_drafted(generator) -> list[tuple[int, bool, bool]]:
-    """Run ``generator`` to the end: for each round, its rows, whether it
-    drafted and whether the draft model was started after it."""
-    drafted, proposed = [], {}
-    while len(generator):
-        events = generator.next()
-        rows = len(generator.rows)
-        started = generator._started_model_drafter() is not None
-        drafts = any(result.n_draft > proposed.get(uid, 0) for uid, result in events)
-        proposed.update((uid, result.n_draft) for uid, result in events)
-        drafted.append((rows, drafts, started))
-    return drafted
-
-
 def batch_of_two(decoder: SpeculativeDecoder, max_tokens: int = MAX_TOKENS) -> list[tuple]:
-    """``rounds_drafted`` for a batch of PROMPTS[:2], checking that their
-    tokens are those of regular decoding."""
+    """Decode PROMPTS[:2] in a batch of two, checking that their tokens are
+    those of regular decoding; for each round, its rows, whether it drafted
+    and whether the draft model was started after it."""
     generator = decoder.batch_generator(max_batch_size=2)
     uids = [generator.insert(prompt, max_tokens=max_tokens) for prompt in PROMPTS[:2]]
-    tokens = {uid: [] for uid in uids}
-    next_round = generator.next
-
-    def next_and_keep():
-        events = next_round()
-        tokens.update((uid, result.tokens) for uid, result in events)
-        return events
-
-    generator.next = next_and_keep
-    drafted = rounds_drafted(generator)
+    rounds, last = [], {}
+    while len(generator):
+        events = generator.next()
+        drafts = any(
+            result.n_draft > (last[uid].n_draft if uid in last else 0) for uid, result in events
+        )
+        last.update(events)
+        started = generator._started_model_drafter() is not None
+        rounds.append((len(generator.rows), drafts, started))
     regular = [decoder.generate(prompt, max_tokens=max_tokens).tokens for prompt in PROMPTS[:2]]
-    assert [tokens[uid] for uid in uids] == regular
-    return drafted
+    assert [last[uid].tokens for uid in uids] == regular
+    return rounds
 
 
 def test_auto_abandons_a_draft_model_whose_rounds_deliver_less(decoding_pair):
     """The cost model (a draft step at 0.1 plain steps) would draft every
     round, but each draft-model pass costs products that are computed only
     when the round's tokens are read: drafted rounds deliver far fewer
-    tokens per second than plain steps. auto drafts JUDGED_ROUNDS rounds
-    after as many plain steps, then steps plainly with its draft model
+    tokens per second than plain steps. After PLAIN_FIRST plain steps auto
+    drafts JUDGED_ROUNDS rounds, then steps plainly with its draft model
     dropped; the decoder's next batch starts from that verdict."""
     model, draft_model, tokenizer = decoding_pair
-    decoder = SpeculativeDecoder(model, LazilySlow(draft_model, 12), tokenizer, num_draft="auto")
+    decoder = SpeculativeDecoder(model, LazilySlow(draft_model, 8), tokenizer, num_draft="auto")
     cheap_drafts(decoder, judged=True)
     rounds = [(drafts, started) for rows, drafts, started in batch_of_two(decoder) if rows == 2]
     # The drafted rounds, and the cost model's own plain probe (its PROBE_EVERY-th round).
@@ -867,7 +853,7 @@ def test_auto_keeps_a_draft_model_whose_rounds_deliver_more(decoding_pair):
     delivers several times the tokens per second, and auto keeps at it
     after its first plain steps, in this batch and the next."""
     model, _, tokenizer = decoding_pair
-    decoder = SpeculativeDecoder(LazilySlow(model, 12), model, tokenizer, num_draft="auto")
+    decoder = SpeculativeDecoder(LazilySlow(model, 8), model, tokenizer, num_draft="auto")
     cheap_drafts(decoder, judged=True)
     rounds = []
     while len(rounds) < PLAIN_FIRST + 3 * JUDGED_ROUNDS:  # batch after batch
