@@ -44,6 +44,7 @@ from cli import SEEDS, is_seed
 from drafting import (
     DRAFT_SOURCES,
     MAX_AUTO_DRAFT,
+    Deliveries,
     Draft,
     DraftLength,
     HybridDrafter,
@@ -341,7 +342,8 @@ class BatchGenerator:
         a new result object every time, ``result.finished`` on a prompt's
         last (end of sequence or its ``max_tokens``). Empty when nothing
         decodes (prompts may be encoding)."""
-        self._admit()
+        round_start = time.perf_counter()
+        shared_seconds = self._admit()
         self._drop_free_rows()
         live = [row for row in self.rows if row is not None]
         if not live:
@@ -365,7 +367,13 @@ class BatchGenerator:
             next_keys, verify_keys, draft_keys = split_keys(row_keys, 3)
         draft = None
         encoded_before = self.drafter.encoding_time if self.drafter is not None else 0.0
-        if self.drafter is not None and max(limits) > 0:
+        if self.drafter is not None and not self.draft_length.allows_drafting(len(rows)):
+            # A plain step: to judge drafting by, or drafting was measured not
+            # to pay here, and then the draft model costs nothing meanwhile.
+            started = self._started_model_drafter()
+            if started is not None and self.draft_length.deliveries.vetoes(len(rows)):
+                started.suspend()
+        elif self.drafter is not None and max(limits) > 0:
             drafting_rows = [row.acceptance for row, limit in zip(rows, limits) if limit > 0]
             choose = functools.partial(
                 self.draft_length.choose,
@@ -398,6 +406,7 @@ class BatchGenerator:
         if self.drafter is not None:
             encoding_time = self.drafter.encoding_time - encoded_before
         events = []
+        delivered = 0  # tokens, over every row
         eos = decoder.model.args.eos_token_id
         for i, (row, accepted, next_token, draft_tokens) in enumerate(
             zip(rows, num_accepted.tolist(), next_tokens.tolist(), draft.tokens.tolist())
@@ -428,6 +437,7 @@ class BatchGenerator:
             result.n_accepted += accepted
             result.n_rejected += int(rejected)
             row.sequence += new_tokens
+            delivered += len(new_tokens)
             result.tokens += new_tokens
             result.from_draft += [j < accepted for j in range(len(new_tokens))]
             result.text = decoder.tokenizer.decode(result.tokens, skip_special_tokens=True)
@@ -436,13 +446,24 @@ class BatchGenerator:
             events.append((row.uid, snapshot(result)))
             if result.finished:
                 self._free(i)
-        round_seconds = time.perf_counter() - tic
+        end = time.perf_counter()
+        round_seconds = end - tic
         if self.draft_length is not None:
             self.draft_length.timed(draft, round_seconds - encoding_time)
+            self.draft_length.delivered(
+                len(rows), any(draft.lengths), delivered, end - round_start - shared_seconds
+            )
         # Room for encoding at most one round's time at once.
         credit = self.encoding_credit + round_seconds * ENCODING_SHARE / (1 - ENCODING_SHARE)
         self.encoding_credit = min(credit, round_seconds)
         return events
+
+    def _started_model_drafter(self) -> ModelDrafter | None:
+        """The drafter's draft model (a hybrid drafter's too), if started."""
+        drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
+        if isinstance(drafter, ModelDrafter) and drafter.cache is not None:
+            return drafter
+        return None
 
     def _draft_start_cost(self, live: list[Row], limits: list[int]) -> float:
         """What a lazy draft model that has not started would cost to start
@@ -453,8 +474,7 @@ class BatchGenerator:
         tokens the rows have left, in plain steps over the fewest rows at
         least as many as the batch's that a plain step was timed or
         calibrated over. 0 once started, or with none."""
-        drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
-        if not isinstance(drafter, ModelDrafter) or drafter.cache is not None:
+        if self.decoder.draft_model is None or self._started_model_drafter():
             return 0.0
         decoder = self.decoder
         timed = self.draft_length.times.seconds
@@ -508,13 +528,15 @@ class BatchGenerator:
         if self.drafter is not None:
             self.drafter.keep_rows(kept)
 
-    def _admit(self) -> None:
+    def _admit(self) -> float:
         """Start encoding waiting prompts while places allow (the prompts of
         each encoder pass together), then encode, smallest pass first: all
         of it, or, interleaving, slices while the rounds' share of time
         allows (``ENCODING_SHARE``; ``IDLE_ENCODING_SECONDS`` when no row
         decodes). Prompts whose encoding ends take free rows, then new ones
-        up to ``max_batch_size``."""
+        up to ``max_batch_size``. The seconds spent on what every mode pays
+        alike (see ``Deliveries``): encoding the joining prompts and auto's
+        calibration."""
         encoding = sum(len(e.rows) for e in self.encodings)
         capacity = self.rows.count(None) + self.max_batch_size - len(self.rows) - encoding
         joining = [self.waiting.popleft() for _ in range(min(capacity, len(self.waiting)))]
@@ -530,6 +552,7 @@ class BatchGenerator:
                 self.encodings.append(Encoding(rows, slices))
             self.encodings.sort(key=lambda e: e.tokens)
         idle_since, sliced = time.perf_counter(), False
+        shared_seconds = 0.0
         while self.encodings:
             decoding = any(row is not None for row in self.rows)
             if self.interleave_encoding and (
@@ -544,8 +567,10 @@ class BatchGenerator:
             ended = encoding.advance()
             if decoding:
                 self.encoding_credit -= encoding.seconds - seconds
+            shared_seconds += encoding.seconds - seconds
             if ended:
-                self._join(self.encodings.pop(0))
+                shared_seconds += self._join(self.encodings.pop(0))
+        return shared_seconds
 
     def _encoding_slices(
         self, prompts: list[list[int]], on_layer: Callable[[], None] | None
@@ -565,9 +590,10 @@ class BatchGenerator:
         draft_on_layer = None if self.decoder.lazy_drafting else on_layer
         return cache, (yield from draft_model.prompt_cache_slices(prompts, draft_on_layer))
 
-    def _join(self, encoding: Encoding) -> None:
+    def _join(self, encoding: Encoding) -> float:
         """Give the prompts of ``encoding``, which has ended, places in the
-        batch: free rows first, then new ones."""
+        batch: free rows first, then new ones; the seconds auto's
+        calibration took (the first rows')."""
         joining = encoding.rows
         places = [i for i, row in enumerate(self.rows) if row is None][: len(joining)]
         for place in places:
@@ -604,6 +630,7 @@ class BatchGenerator:
         for place, row in zip(places, joining):
             if row.uid in encoding.cancelled:
                 self._free(place)
+        return calibration_time
 
     def _layer_progress(self, prompts: list[list[int]]) -> Callable[[], None] | None:
         """What the encoders call after each layer, to report ``prompts``'
@@ -641,7 +668,11 @@ class BatchGenerator:
             (*drafting, sampling, decoder.delta), acceptance_counts()
         )
         times = decoder.round_times.setdefault((*drafting, sampling.greedy), RoundTimes())
-        self.draft_length = DraftLength(decoder.num_draft, costs, earlier, times)
+        # What choices deliver depends on acceptance and round times alike.
+        deliveries = decoder.deliveries.setdefault(
+            (*drafting, sampling, decoder.delta), Deliveries()
+        )
+        self.draft_length = DraftLength(decoder.num_draft, costs, earlier, times, deliveries)
         return time.perf_counter() - tic if decoder.num_draft == "auto" else 0.0
 
 
@@ -694,6 +725,7 @@ class SpeculativeDecoder:
         self.plain_step_seconds: dict[int, float] = {}
         self.acceptance = {}  # per way of drafting: see DraftLength
         self.round_times = {}  # per way of drafting: see RoundTimes
+        self.deliveries = {}  # per way of drafting: see Deliveries
 
     @property
     def drafting(self) -> str:

@@ -19,7 +19,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,6 +58,20 @@ PRIOR_WEIGHT = 4
 # dropped to 24 took 16 rows' timings and started drafting in its last
 # rounds, where regular decoding's steps were 23-38 ms and its own 50-67.
 NEAREST_ROWS_RATIO = 1.5
+# "auto" judges its choices by the tokens they deliver (``Deliveries``): per
+# bucket of batch sizes (``rows_bucket``), the seconds and tokens of the last
+# this many rounds that drafted and of those that did not. A bucket is
+# judged once this many rounds drafted, and a trial of drafting where it
+# lost is this many rounds: fewer weighed the draft model's start too much
+# (at one row of the benchmark pair, the first of 4 drafted rounds took
+# 40-48 ms where the others took 25-38 and a plain step 20).
+JUDGED_ROUNDS = 8
+# Plain steps first in a bucket not yet judged, to judge drafting against.
+PLAIN_FIRST = 4
+# Where drafting lost, the plain time to run before the next trial is what
+# the last one lost over this share: trials cost at most this share of the
+# time where drafting never pays (the issue's bound: 3%).
+EXPLORATION_SHARE = 0.02
 DRAFT_SOURCES = ("model", "lookup")
 # After a drafted round the draft model's cache lacks at most this many of
 # a row's tokens: the last draft token and the main model's own.
@@ -132,8 +146,9 @@ class ModelDrafter:
         self.lazy = lazy
         if cache is None and not lazy:
             cache = model.prompt_cache(prompts)
-        # Per row, until the first proposal encodes them (lazy): the prompt.
-        self.prompts = [list(ids) for ids in prompts] if cache is None else []
+        # Per row (lazy): the prompt, for the proposal that first encodes
+        # them, or the first after ``suspend``.
+        self.prompts = [list(ids) for ids in prompts] if lazy else []
         self.cache = cache
         self.encoding_time = 0.0  # seconds proposals spent encoding prompts (lazy)
         self.fed = 0  # draft tokens of the last proposal fed into the cache
@@ -142,22 +157,28 @@ class ModelDrafter:
         self, rows: list[int], prompts: list[list[int]], cache: DecoderCache | None = None
     ) -> None:
         """Give ``rows`` (restarted, or added past the batch) ``prompts``,
-        whose cache is ``cache`` where encoded already (a lazy drafter that
-        has not started keeps their tokens alone)."""
-        if self.cache is None:
+        whose cache is ``cache`` where encoded already; a lazy drafter keeps
+        their tokens too, and one that has not started (or was suspended)
+        only those."""
+        if self.lazy:
             self.prompts += [[]] * (max(rows) + 1 - len(self.prompts))
             for row, ids in zip(rows, prompts, strict=True):
                 self.prompts[row] = list(ids)
-            return
-        if cache is None:
-            cache = self.model.prompt_cache(prompts)
-        self.cache.admit(rows, cache)
+        if self.cache is not None:
+            self.cache.admit(rows, cache if cache is not None else self.model.prompt_cache(prompts))
 
     def keep_rows(self, rows: list[int]) -> None:
-        if self.cache is None:
+        if self.lazy:
             self.prompts = [self.prompts[row] for row in rows]
-        else:
+        if self.cache is not None:
             self.cache.keep_rows(rows)
+
+    def suspend(self) -> None:
+        """Drop the draft cache (lazy only): until the next proposal, which
+        encodes the rows' prompts again and catches up on their tokens, the
+        draft model costs nothing, not even for prompts that join."""
+        assert self.lazy, "only a lazy drafter re-encodes its prompts"
+        self.cache = None
 
     def propose(
         self,
@@ -177,7 +198,6 @@ class ModelDrafter:
         if self.cache is None:
             tic = time.perf_counter()
             self.cache = self.model.prompt_cache(self.prompts)
-            self.prompts = []
             self.encoding_time += time.perf_counter() - tic
         pending = trim_to(self.cache, sequences)
         logits = decode_pending(self.model, self.cache, pending)
@@ -547,6 +567,109 @@ class RoundTimes:
         ]
 
 
+def rows_bucket(batch_size: int) -> int:
+    """The bucket of batch sizes whose rounds ``Deliveries`` compares:
+    ceil(2 log2(rows)), half an octave wide with a power of two at its top
+    (1; 2; 3-4; 5; 6-8; 9-11; 12-16; 17-22; 23-32; ...), so that a batch of
+    B whose rows finish is judged at B's size until it has dropped to 0.7 B."""
+    return int(np.ceil(2 * np.log2(batch_size)))
+
+
+def seconds_per_token(rounds: deque[tuple[float, int]]) -> float:
+    """Seconds per delivered token over ``rounds`` of (seconds, tokens)."""
+    seconds, tokens = np.sum(np.array(rounds), axis=0) if rounds else (0.0, 0)
+    return seconds / max(tokens, 1)
+
+
+@dataclass
+class Verdict:
+    """What the rounds over one bucket of batch sizes delivered, and whether
+    drafting there is vetoed: see ``Deliveries``."""
+
+    # (seconds, tokens) of the last JUDGED_ROUNDS rounds that drafted nothing, and that drafted.
+    plain: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=JUDGED_ROUNDS))
+    drafted: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=JUDGED_ROUNDS))
+    vetoed: bool = False
+    trial: int = 0  # rounds left of a trial of drafting, while vetoed
+    wait: float = 0.0  # plain seconds to run before the next trial, while vetoed
+    # Seconds and tokens of the drafted rounds since the last judgement.
+    explored: tuple[float, int] = (0.0, 0)
+
+    def judge(self) -> None:
+        """Veto drafting if its rounds delivered fewer tokens per second than
+        plain ones (once both were measured), and then wait, before the next
+        trial, for plain rounds of the time the rounds drafted since the
+        last judgement lost over EXPLORATION_SHARE."""
+        if len(self.plain) < PLAIN_FIRST or len(self.drafted) < JUDGED_ROUNDS:
+            return
+        plain = seconds_per_token(self.plain)
+        self.vetoed = seconds_per_token(self.drafted) > plain
+        if self.vetoed:
+            seconds, tokens = self.explored
+            self.wait = (seconds - tokens * plain) / EXPLORATION_SHARE
+        self.explored = (0.0, 0)
+
+
+class Deliveries:
+    """auto's choices judged by what they deliver: the wall-clock seconds
+    per token delivered of the loop's rounds that drafted against those
+    that did not, at the batch's size (``rows_bucket``). A round's seconds
+    are all that the loop waits for from the round's start to its tokens
+    (the draft model's encoding of joining prompts and its catch-up passes
+    included), so the same on a backend that computes lazily (MLX on a GPU)
+    as on one whose passes end when they return; only what every mode pays
+    alike is left out (the main model's encoding of joining prompts, and
+    auto's calibration).
+
+    A bucket not yet judged first takes PLAIN_FIRST plain steps, so that
+    drafting is judged against plain steps of the same rows; then the cost
+    model (``DraftLength.choose``) decides, and once JUDGED_ROUNDS rounds
+    drafted, every round is judged by the last JUDGED_ROUNDS of each kind:
+    where drafted rounds delivered fewer tokens per second than plain ones,
+    drafting is vetoed (the draft model dropped: see
+    ``ModelDrafter.suspend``). Conditions change (acceptance, rows, the
+    machine's load), so a vetoed bucket tries drafting again for
+    JUDGED_ROUNDS rounds after plain rounds that ran the time the last
+    trial lost over EXPLORATION_SHARE, and is judged again after it."""
+
+    def __init__(self):
+        self.verdicts: dict[int, Verdict] = {}  # per rows_bucket
+
+    def allows_drafting(self, batch_size: int) -> bool:
+        """Whether a round over ``batch_size`` rows may draft."""
+        verdict = self.verdicts.get(rows_bucket(batch_size), Verdict())
+        if len(verdict.plain) < PLAIN_FIRST:
+            return False
+        return not verdict.vetoed or verdict.trial > 0
+
+    def vetoes(self, batch_size: int) -> bool:
+        """Whether drafting over ``batch_size`` rows was measured not to pay
+        (and no trial runs)."""
+        verdict = self.verdicts.get(rows_bucket(batch_size), Verdict())
+        return verdict.vetoed and not verdict.trial
+
+    def record(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A round over ``batch_size`` rows, which drafted or not, delivered
+        ``tokens`` in ``seconds``."""
+        verdict = self.verdicts.setdefault(rows_bucket(batch_size), Verdict())
+        if drafted:
+            verdict.drafted.append((seconds, tokens))
+            explored_seconds, explored_tokens = verdict.explored
+            verdict.explored = (explored_seconds + seconds, explored_tokens + tokens)
+        else:
+            verdict.plain.append((seconds, tokens))
+        if not verdict.vetoed:
+            verdict.judge()
+        elif verdict.trial:
+            verdict.trial -= 1
+            if not verdict.trial:
+                verdict.judge()
+        else:
+            verdict.wait -= seconds
+            if verdict.wait <= 0:
+                verdict.trial = JUDGED_ROUNDS
+
+
 class DraftLength:
     """Draft tokens per round: a fixed number, or for ``"auto"`` the g that
     ``best_num_draft`` picks from the round costs and the acceptance so far,
@@ -577,7 +700,12 @@ class DraftLength:
     generation starts from their rate (itself starting from the prior),
     weighted as PRIOR_WEIGHT tokens, so its own rounds soon outweigh it.
     ``times`` (``RoundTimes``, shared with the decoder's earlier generations
-    drafting the same way) holds what rounds took."""
+    drafting the same way) holds what rounds took.
+
+    All of that weighs rounds; ``deliveries`` (``Deliveries``, shared with
+    the decoder's earlier generations drafting the same way) judges what
+    the choices delivered, everything included, and vetoes drafting where
+    it was measured not to pay (``allows_drafting``)."""
 
     def __init__(
         self,
@@ -585,10 +713,12 @@ class DraftLength:
         round_costs: dict[str, list[float]],
         earlier: dict[str, np.ndarray] | None = None,
         times: RoundTimes | None = None,
+        deliveries: Deliveries | None = None,
     ):
         self.num_draft = num_draft
         self.round_costs = round_costs  # per source, calibrated: see best_num_draft
         self.times = RoundTimes() if times is None else times
+        self.deliveries = Deliveries() if deliveries is None else deliveries
         self.earlier = acceptance_counts() if earlier is None else earlier
         self.counts = {}  # per source: [accepted, tested] per position, prior included
         for source, (accepted, tested) in self.earlier.items():
@@ -677,3 +807,15 @@ class DraftLength:
         if self.num_draft == "auto" and draft.caught_up <= STEADY_CATCH_UP:
             batch_size = len(draft.lengths)
             self.times.record(round_source(draft), max(draft.lengths), batch_size, seconds)
+
+    def allows_drafting(self, batch_size: int) -> bool:
+        """Whether a round over ``batch_size`` rows may draft: always for a
+        fixed number; for "auto" where ``deliveries`` allows it."""
+        return self.num_draft != "auto" or self.deliveries.allows_drafting(batch_size)
+
+    def delivered(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A round over ``batch_size`` rows, which drafted or not, delivered
+        ``tokens`` in ``seconds``, everything that every mode does not pay
+        alike included (recorded for "auto" only: see ``Deliveries``)."""
+        if self.num_draft == "auto":
+            self.deliveries.record(batch_size, drafted, tokens, seconds)

@@ -543,12 +543,33 @@ class UntimedRounds(dict):
         return super().setdefault(key, times)
 
 
-def cheap_drafts(decoder, draft_cost: float = 0.1) -> None:
+class UnjudgedDeliveries(dict):
+    """``SpeculativeDecoder.deliveries`` that record nothing and always allow
+    drafting, so that "auto" drafts as its cost model chooses."""
+
+    def setdefault(self, key, default=None):
+        from drafting import Deliveries
+
+        deliveries = Deliveries()
+        deliveries.allows_drafting = lambda batch_size: True
+        deliveries.record = lambda batch_size, drafted, tokens, seconds: None
+        return super().setdefault(key, deliveries)
+
+
+def unjudged(decoder) -> None:
+    """Make ``decoder``'s "auto" draft as its cost model chooses, whatever
+    its rounds deliver (see ``UnjudgedDeliveries``)."""
+    decoder.deliveries = UnjudgedDeliveries()
+
+
+def cheap_drafts(decoder, draft_cost: float = 0.1, judged: bool = False) -> None:
     """Make ``decoder``'s "auto" weigh a draft step as ``draft_cost`` main
     steps and a verify pass over any number of tokens as one, whatever its
-    rounds take. The tiny test draft model costs as much as its main model,
-    so timed costs would rightly make auto draft little, and a test of
-    drafting would test plain steps."""
+    rounds take or (unless ``judged``) deliver. The tiny test draft model
+    costs as much as its main model, so timed costs would rightly make auto
+    draft little, and a test of drafting would test plain steps."""
     costs = auto_costs(draft_cost)
     decoder.measure_costs = lambda prompt_ids, batch_size=1: costs
     decoder.round_times = UntimedRounds()
+    if not judged:
+        unjudged(decoder)

@@ -5,16 +5,20 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
-from fixtures import auto_costs, cheap_drafts, linear_round_costs
+from fixtures import auto_costs, cheap_drafts, linear_round_costs, unjudged
 
 from cache import compacted_rows
 from decoder import SpeculativeDecoder
 from drafting import (
+    EXPLORATION_SHARE,
     HOPELESS_PROBE_EVERY,
+    JUDGED_ROUNDS,
     MAX_AUTO_DRAFT,
+    PLAIN_FIRST,
     PROBE_EVERY,
     STEADY_CATCH_UP,
     TIMED_ROUNDS,
+    Deliveries,
     Draft,
     DraftLength,
     ModelDrafter,
@@ -26,6 +30,7 @@ from drafting import (
     find_continuation,
     pass_times,
     piecewise_linear,
+    rows_bucket,
 )
 from sampling import RowSampling, Sampling
 
@@ -467,6 +472,20 @@ def test_a_lazy_model_drafter_encodes_its_rows_prompts_when_it_first_drafts(deco
     assert wrong.propose(sequences, greedy, lambda source: 3, [3, 3]).tokens.tolist() != (
         drafts[0].tokens.tolist()
     )
+    # Suspended, the lazy drafter drops its cache and drafts again as the
+    # eager drafter does: from the prompts of the rows that joined and left
+    # while it drafted, caught up on their tokens.
+    first_draft_token = drafts[0].tokens.tolist()[0][0]
+    for drafter in drafters:
+        drafter.admit([2], [prompts[1]])
+        drafter.keep_rows([2, 0])  # a new row 0; row 0 now row 1
+    lazy.suspend()
+    assert lazy.cache is None
+    # Row 1 accepted its first draft token, then made a plain step.
+    sequences = [[start, 4], [start, 5, 7, first_draft_token, 9]]
+    drafts = [drafter.propose(sequences, greedy, lambda source: 2, [2, 2]) for drafter in drafters]
+    assert lazy.cache is not None
+    assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist()
 
 
 def test_auto_starts_from_the_acceptance_of_earlier_generations():
@@ -517,6 +536,7 @@ def test_prompt_lookup_keeps_the_greedy_output(prompt_lookup, num_draft, copying
     decoder = SpeculativeDecoder(
         model, None, tokenizer, num_draft=num_draft, prompt_lookup=prompt_lookup
     )
+    unjudged(decoder)  # the tiny models' rounds are too short to judge by their times
     totals = decode_all(decoder)
     # Lookup drafted most rounds; the tokens it proposed that were tested
     # were often right and sometimes wrong.
@@ -640,3 +660,211 @@ def test_bad_drafting_arguments_are_refused(decoding_pair):
         SpeculativeDecoder(*decoding_pair, num_draft="fast")
     with pytest.raises(ValueError, match="prompt_lookup"):
         SpeculativeDecoder(*decoding_pair, prompt_lookup=-1)
+
+
+def run_deliveries(deliveries: Deliveries, deliver, rounds: int, batch_size: int = 8) -> list[bool]:
+    """Let ``deliveries`` judge ``rounds`` rounds over ``batch_size`` rows,
+    each drafting where it is allowed (a cost model that always would) and
+    delivering ``deliver(drafted, round)``: (tokens, seconds), a faked clock.
+    Whether each round drafted."""
+    drafted = []
+    for i in range(rounds):
+        drafts = deliveries.allows_drafting(batch_size)
+        tokens, seconds = deliver(drafts, i)
+        deliveries.record(batch_size, drafts, tokens, seconds)
+        drafted.append(drafts)
+    return drafted
+
+
+def plain_or_drafted(plain: tuple[int, float], drafted: tuple[int, float]):
+    """``deliver`` for ``run_deliveries``: the same (tokens, seconds) every round of each kind."""
+    return lambda drafts, i: drafted if drafts else plain
+
+
+def test_drafting_that_delivers_less_than_plain_steps_is_abandoned():
+    # 8 rows: a plain step delivers 8 tokens in 10 ms; a drafted round 14 in
+    # 20 ms, 0.875x the tokens per second.
+    deliveries = Deliveries()
+    drafted = run_deliveries(deliveries, plain_or_drafted((8, 0.010), (14, 0.020)), 300)
+    # Plain steps first, then the rounds the cost model drafts, judged once
+    # JUDGED_ROUNDS drafted: abandoned.
+    judged = PLAIN_FIRST + JUDGED_ROUNDS
+    assert drafted[:judged] == [False] * PLAIN_FIRST + [True] * JUDGED_ROUNDS
+    assert deliveries.vetoes(8)
+    # Those rounds lost 8 x (20 - 14 x 10 / 8) = 20 ms: the next trial after
+    # 20 / EXPLORATION_SHARE = 1000 ms of plain steps, 100 of them.
+    wait = round(JUDGED_ROUNDS * (0.020 - 14 * 0.010 / 8) / EXPLORATION_SHARE / 0.010)
+    assert wait == 100
+    trial = judged + wait
+    assert drafted[judged:trial] == [False] * wait
+    assert drafted[trial : trial + JUDGED_ROUNDS + 1] == [True] * JUDGED_ROUNDS + [False]
+
+
+def test_drafting_that_delivers_more_than_plain_steps_is_kept():
+    # A drafted round delivers 14 tokens in 15 ms: 1.07x the tokens per second.
+    deliveries = Deliveries()
+    drafted = run_deliveries(deliveries, plain_or_drafted((8, 0.010), (14, 0.015)), 500)
+    assert drafted == [False] * PLAIN_FIRST + [True] * (500 - PLAIN_FIRST)
+    assert not deliveries.vetoes(8)
+
+
+def test_deliveries_are_judged_by_everything_a_round_waits_for():
+    """Costs outside the rounds the cost model weighs count: a draft model
+    that starts (encoding the rows' prompts, catching up on their tokens)
+    in the first drafted round. Rounds that paid 1.07x the tokens per second
+    lose with a start that costs 10 plain steps."""
+    deliveries = Deliveries()
+
+    def deliver(drafts: bool, i: int) -> tuple[int, float]:
+        if not drafts:
+            return 8, 0.010
+        return 14, 0.015 + (0.100 if i == PLAIN_FIRST else 0.0)
+
+    drafted = run_deliveries(deliveries, deliver, PLAIN_FIRST + 2 * JUDGED_ROUNDS)
+    assert drafted == [False] * PLAIN_FIRST + [True] * JUDGED_ROUNDS + [False] * JUDGED_ROUNDS
+
+
+def test_drafting_is_judged_at_the_batchs_size():
+    """A verdict holds for its bucket of batch sizes (``rows_bucket``): 32
+    rows' for the 23 to 32 a batch of 32 drops to as its rows finish, not
+    for 16 rows."""
+    assert [rows_bucket(n) for n in (1, 2, 3, 4, 5, 8, 16, 17, 22, 23, 32)] == [
+        0, 2, 4, 4, 5, 6, 8, 9, 9, 10, 10,
+    ]  # fmt: skip
+    deliveries = Deliveries()
+    run_deliveries(deliveries, plain_or_drafted((32, 0.030), (40, 0.060)), 20, batch_size=32)
+    assert deliveries.vetoes(32) and deliveries.vetoes(23)
+    assert not deliveries.vetoes(22)
+    drafted = run_deliveries(deliveries, plain_or_drafted((16, 0.020), (28, 0.025)), 20, 16)
+    assert drafted == [False] * PLAIN_FIRST + [True] * (20 - PLAIN_FIRST)
+
+
+@pytest.mark.parametrize("loss", [1.05, 1.5, 4.0])
+def test_exploration_costs_at_most_its_share_where_drafting_never_pays(loss):
+    """Where drafted rounds deliver ``loss`` times a plain step's seconds per
+    token, each trial's first round paying 10 plain steps to start the
+    draft model besides, auto's rounds take at most EXPLORATION_SHARE more
+    than plain steps alone, once its first judgement has been paid, and it
+    keeps trying."""
+    deliveries = Deliveries()
+
+    def deliver(drafts: bool, i: int) -> tuple[int, float]:
+        if not drafts:
+            return 8, 0.010
+        start = 0.100 if not drafted[-1] else 0.0
+        return 14, 14 * 0.010 / 8 * loss + start
+
+    drafted = [False]
+    first = PLAIN_FIRST + JUDGED_ROUNDS
+    run_deliveries(deliveries, deliver, first)
+    seconds = tokens = 0.0
+
+    def counted(drafts: bool, i: int) -> tuple[int, float]:
+        nonlocal seconds, tokens
+        round_tokens, round_seconds = deliver(drafts, i)
+        seconds, tokens = seconds + round_seconds, tokens + round_tokens
+        drafted.append(drafts)
+        return round_tokens, round_seconds
+
+    run_deliveries(deliveries, counted, 20_000)
+    trials = sum(a and not b for a, b in zip(drafted[1:], drafted))
+    assert trials >= 3
+    assert seconds / (tokens * 0.010 / 8) - 1 <= EXPLORATION_SHARE
+
+
+def test_drafting_that_starts_paying_is_taken_up_again():
+    """A vetoed bucket tries drafting again: once it pays (a new prompt that
+    the draft agrees with, say), the next trial finds it, and it is kept."""
+    deliveries = Deliveries()
+    run_deliveries(
+        deliveries, plain_or_drafted((8, 0.010), (14, 0.020)), PLAIN_FIRST + JUDGED_ROUNDS
+    )
+    assert deliveries.vetoes(8)
+    # Drafted rounds now deliver 1.6x the tokens per second.
+    drafted = run_deliveries(deliveries, plain_or_drafted((8, 0.010), (20, 0.0156)), 400)
+    # The wait the losing rounds earned (see the test above), in plain
+    # steps; then the trial's rounds, the last JUDGED_ROUNDS drafted, win.
+    taken_up = drafted.index(True)
+    assert taken_up == 100
+    assert all(drafted[taken_up:])
+    assert not deliveries.vetoes(8)
+
+
+class LazilySlow:
+    """A model whose every decoder pass adds ``products`` products of 256 x
+    256 matrices that MLX computes only when the pass's results are read,
+    as it computes on a GPU: the decoder waits for them where it reads a
+    round's tokens, not when the pass returns."""
+
+    def __init__(self, model, products: int):
+        self.model, self.products = model, products
+        self.weight = mx.random.normal((256, 256), key=mx.random.key(0)) / 16
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def decode(self, inputs: mx.array, cache) -> mx.array:
+        logits = self.model.decode(inputs, cache)
+        x = self.weight
+        for _ in range(self.products):
+            x = mx.tanh(x @ self.weight)  # bounded: times zero, it adds zero
+        return logits + 0.0 * mx.sum(x)
+
+
+def batch_of_two(decoder: SpeculativeDecoder, max_tokens: int = MAX_TOKENS) -> list[tuple]:
+    """Decode PROMPTS[:2] in a batch of two, checking that their tokens are
+    those of regular decoding; for each round, its rows, whether it drafted
+    and whether the draft model was started after it."""
+    generator = decoder.batch_generator(max_batch_size=2)
+    uids = [generator.insert(prompt, max_tokens=max_tokens) for prompt in PROMPTS[:2]]
+    rounds, last = [], {}
+    while len(generator):
+        events = generator.next()
+        drafts = any(
+            result.n_draft > (last[uid].n_draft if uid in last else 0) for uid, result in events
+        )
+        last.update(events)
+        started = generator._started_model_drafter() is not None
+        rounds.append((len(generator.rows), drafts, started))
+    regular = [decoder.generate(prompt, max_tokens=max_tokens).tokens for prompt in PROMPTS[:2]]
+    assert [last[uid].tokens for uid in uids] == regular
+    return rounds
+
+
+def test_auto_abandons_a_draft_model_whose_rounds_deliver_less(decoding_pair):
+    """The cost model (a draft step at 0.1 plain steps) would draft every
+    round, but each draft-model pass costs products that are computed only
+    when the round's tokens are read: drafted rounds deliver far fewer
+    tokens per second than plain steps. After PLAIN_FIRST plain steps auto
+    drafts JUDGED_ROUNDS rounds, then steps plainly with its draft model
+    dropped; the decoder's next batch starts from that verdict."""
+    model, draft_model, tokenizer = decoding_pair
+    decoder = SpeculativeDecoder(model, LazilySlow(draft_model, 8), tokenizer, num_draft="auto")
+    cheap_drafts(decoder, judged=True)
+    rounds = [(drafts, started) for rows, drafts, started in batch_of_two(decoder) if rows == 2]
+    # The drafted rounds, and the cost model's own plain probe (its PROBE_EVERY-th round).
+    judged = PLAIN_FIRST + JUDGED_ROUNDS + 1
+    assert rounds[:PLAIN_FIRST] == [(False, False)] * PLAIN_FIRST
+    assert [drafts for drafts, _ in rounds[:judged]].count(True) == JUDGED_ROUNDS
+    # Then plain steps, the draft model dropped.
+    assert rounds[judged:] == [(False, False)] * (len(rounds) - judged)
+    assert len(rounds) > judged + 4
+    assert not any(drafts for rows, drafts, _ in batch_of_two(decoder) if rows == 2)
+
+
+def test_auto_keeps_a_draft_model_whose_rounds_deliver_more(decoding_pair):
+    """Here the main model's passes cost the products computed when read,
+    and the draft model is the main model's weights without them: drafting
+    delivers several times the tokens per second, and auto keeps at it
+    after its first plain steps, in this batch and the next."""
+    model, _, tokenizer = decoding_pair
+    decoder = SpeculativeDecoder(LazilySlow(model, 8), model, tokenizer, num_draft="auto")
+    cheap_drafts(decoder, judged=True)
+    rounds = []
+    while len(rounds) < PLAIN_FIRST + 3 * JUDGED_ROUNDS:  # batch after batch
+        rounds += [drafts for rows, drafts, _ in batch_of_two(decoder, 3 * MAX_TOKENS) if rows == 2]
+    # Every round after them drafts but the cost model's own plain probes
+    # (one in PROBE_EVERY rounds at most).
+    assert rounds[:PLAIN_FIRST] == [False] * PLAIN_FIRST
+    assert rounds[PLAIN_FIRST:].count(False) <= len(rounds) / PROBE_EVERY
+    assert not next(iter(decoder.deliveries.values())).vetoes(2)

@@ -8,7 +8,7 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
-from fixtures import auto_costs, cheap_drafts
+from fixtures import auto_costs, cheap_drafts, unjudged
 from test_batch import PROMPTS
 from test_sampling_distribution import (
     MAX_TOKENS,
@@ -222,6 +222,7 @@ def test_auto_counts_its_draft_models_encoding_as_prompt_time_not_as_the_rounds(
     delay = 0.5
     decoder = SpeculativeDecoder(model, SlowPrompts(draft_model, delay), tokenizer, "auto")
     decoder.measure_costs = lambda prompt_ids, batch_size=1: auto_costs(0.1)  # drafting pays
+    unjudged(decoder)  # from the first round
     generator = decoder.batch_generator(max_batch_size=2)
     for prompt in PROMPTS[:2]:
         generator.insert(prompt, max_tokens=MAX_NEW)
