@@ -615,11 +615,12 @@ class Deliveries:
     per token delivered of the loop's rounds that drafted against those
     that did not, at the batch's size (``rows_bucket``). A round's seconds
     are all that the loop waits for from the round's start to its tokens
-    (the draft model's encoding of joining prompts and its catch-up passes
-    included), so the same on a backend that computes lazily (MLX on a GPU)
-    as on one whose passes end when they return; only what every mode pays
-    alike is left out (the main model's encoding of joining prompts, and
-    auto's calibration).
+    (the draft model's encoding of the rows' prompts when it starts, and its
+    catch-up passes, included), so the same on a backend that computes
+    lazily (MLX on a GPU) as on one whose passes end when they return; only
+    what every mode pays about alike is left out (the encoding of joining
+    prompts, the main model's and, once it has started, the draft model's,
+    which is a small share of it; and auto's calibration).
 
     A bucket not yet judged first takes PLAIN_FIRST plain steps, so that
     drafting is judged against plain steps of the same rows; then the cost
