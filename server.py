@@ -345,9 +345,7 @@ class Engine:
         self.held = 0
         self.open_jobs: set[Job] = set()  # submitted, not yet answered (event loop's side)
         self.closing = False  # abort was called: no new job is taken
-        self.counters = dict.fromkeys(
-            ("requests", "completed", "cancelled", "errors", "active", "waiting"), 0
-        )
+        self.counters = dict.fromkeys(("requests", "completed", "cancelled", "errors", "active"), 0)
         self.thread = threading.Thread(target=self._run, name="decoding", daemon=True)
 
     @property
@@ -406,7 +404,11 @@ class Engine:
 
     def health(self) -> dict:
         with self.lock:
-            return {"status": "ok", **self.counters}
+            # Waiting for a row: every prompt held but the active ones, from
+            # its request's arrival (before the decoding thread has seen it)
+            # through its encoding.
+            waiting = max(0, self.held - self.counters["active"])
+            return {"status": "ok", **self.counters, "waiting": waiting}
 
     def _release(self, prompts: int) -> None:
         """``prompts`` no longer held: finished, cancelled, refused or failed."""
@@ -486,7 +488,6 @@ class Engine:
 
     def _count(self, generator) -> None:
         with self.lock:
-            self.counters["waiting"] = len(generator.waiting)
             self.counters["active"] = sum(row is not None for row in generator.rows)
 
     def _admit(self, generator, job: Job, jobs: dict) -> None:
