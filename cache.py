@@ -237,9 +237,15 @@ class DecoderCache:
     def admit(self, rows: list[int], cache: DecoderCache) -> None:
         """Give ``rows`` the prompts of the fresh ``cache`` (one row each, in
         order), with no decoder positions; rows at or past the batch size are
-        added. A longer prompt widens every row's cross-attention."""
-        width = max(self.cross_buffers[0][0].shape[2], max(cache.prompt_lengths))
+        added. The cross-attention takes the width of the longest prompt
+        then in the batch: wider for a longer one, narrower when the
+        longest was replaced."""
         batch_size = max(len(self.prompt_lengths), max(rows) + 1)
+        self.prompt_lengths += [0] * (batch_size - len(self.prompt_lengths))
+        for row, length in zip(rows, cache.prompt_lengths, strict=True):
+            self.prompt_lengths[row] = length
+        self._fit_width()
+        width = max(self.prompt_lengths)
         cross = []
         for batch_kv, new_kv in zip(self.cross_buffers, cache.cross_keys_values):
             arrays = []
@@ -254,9 +260,6 @@ class DecoderCache:
         # Replaced before they are computed, so that the writes reuse the buffers' memory.
         self.cross_buffers = cross
         mx.eval(cross)
-        self.prompt_lengths += [0] * (batch_size - len(self.prompt_lengths))
-        for row, length in zip(rows, cache.prompt_lengths, strict=True):
-            self.prompt_lengths[row] = length
         self._update_memory_mask()
         for layer_cache in self.self_attn:
             layer_cache.admit(rows)
@@ -268,9 +271,24 @@ class DecoderCache:
             for keys, values in self.cross_buffers
         ]
         self.prompt_lengths = [self.prompt_lengths[row] for row in rows]
+        self._fit_width()
         self._update_memory_mask()
         for cache in self.self_attn:
             cache.keep_rows(rows)
+
+    def _fit_width(self) -> None:
+        """Cut the cross-attention buffers to the longest prompt of the
+        batch once a longer one has left it: every row's decoding step
+        attends over the whole width, so a long prompt that finished would
+        otherwise slow every row until the batch empties (on the benchmark
+        pair, rows beside a finished 2,086-token prompt stepped in 52 ms
+        where 12 ms before). Copied, so that the wide buffers are freed."""
+        width = max(self.prompt_lengths)
+        if width < self.cross_buffers[0][0].shape[2]:
+            self.cross_buffers = [
+                tuple(mx.contiguous(buffer[:, :, :width]) for buffer in pair)
+                for pair in self.cross_buffers
+            ]
 
 
 def joined_caches(caches: list[DecoderCache], rows: list[int]) -> DecoderCache:

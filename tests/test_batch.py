@@ -284,6 +284,34 @@ def test_admitted_and_kept_rows_score_as_alone(decoding_pair):
         assert difference <= 1e-5 * max(np.abs(reference).max(), 1.0)
 
 
+def test_cross_attention_narrows_when_the_longest_prompt_leaves(decoding_pair):
+    """The cross-attention is as wide as the batch's longest prompt: after
+    the 40-token prompt leaves (``keep_rows``) or is replaced (``admit``),
+    the buffers narrow to the longest left, and every row still scores as
+    if decoded alone."""
+    model = decoding_pair[0]
+    rng = np.random.default_rng(3)
+    vocab = model.args.vocab_size
+    prompts = [rng.integers(2, vocab, n).tolist() + [1] for n in (5, 40, 7)]
+
+    def check(batch, rows, decoded, width):
+        assert all(keys.shape[2] == width for keys, _ in batch.cross_buffers)
+        assert batch.memory_mask.shape[-1] == width
+        logits = model.decode(mx.array([tokens[-1:] for tokens in decoded]), batch)
+        for row, (prompt, tokens) in enumerate(zip(rows, decoded)):
+            reference = np.array(model(mx.array([prompt]), mx.array([tokens]))[:, -1:])
+            difference = np.abs(np.array(logits[row : row + 1]) - reference).max()
+            assert difference <= 1e-5 * max(np.abs(reference).max(), 1.0)
+
+    batch = model.prompt_cache(prompts)
+    model.decode(mx.array([[0, 5], [0, 6], [0, 7]]), batch)
+    batch.keep_rows([0, 2])  # the 40-token prompt leaves
+    check(batch, [prompts[0], prompts[2]], [[0, 5, 8], [0, 7, 9]], 8)
+    replacement = rng.integers(2, vocab, 3).tolist() + [1]
+    batch.admit([1], model.prompt_cache([replacement]))  # the 8-token prompt is replaced
+    check(batch, [prompts[0], replacement], [[0, 5, 8, 10], [0]], 6)
+
+
 def test_a_row_admitted_past_the_storage_is_kept_as_zeros():
     """A row admitted past the rows a cache's storage holds, then kept in
     another place before any write, holds zeros there: positions past its
