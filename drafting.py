@@ -60,12 +60,20 @@ PRIOR_WEIGHT = 4
 NEAREST_ROWS_RATIO = 1.5
 # "auto" judges its choices by the tokens they deliver (``Deliveries``): per
 # bucket of batch sizes (``rows_bucket``), the seconds and tokens of the last
-# this many rounds that drafted and of those that did not. A bucket is
-# judged once this many rounds drafted, and a trial of drafting where it
-# lost is this many rounds: fewer weighed the draft model's start too much
+# JUDGED_WINDOW rounds that drafted and of those that did not. A bucket is
+# judged once JUDGED_ROUNDS rounds drafted, and a trial of drafting where it
+# lost is that many rounds: fewer weighed the draft model's start too much
 # (at one row of the benchmark pair, the first of 4 drafted rounds took
 # 40-48 ms where the others took 25-38 and a plain step 20).
 JUDGED_ROUNDS = 8
+JUDGED_WINDOW = 32
+# Drafting is vetoed where its seconds per token exceed plain steps' by more
+# than this many standard errors of the difference. A drafted round's tokens
+# vary from 1 to g + 1, so that at one row of the benchmark pair 8 rounds'
+# mean varied by about a quarter: judged by the means alone, drafting that
+# made 1.4x regular decoding's tokens/s was vetoed and taken up again in
+# turn, and auto made 0.77x the best fixed g.
+VETO_ERRORS = 2.0
 # Plain steps first in a bucket not yet judged, to judge drafting against.
 PLAIN_FIRST = 4
 # Where drafting lost, the plain time to run before the next trial is what
@@ -537,11 +545,14 @@ class RoundTimes:
         """``calibrated`` round costs of ``source`` (see ``best_num_draft``)
         corrected by the rounds timed over ``batch_size`` rows, or the
         fewest more rows (up to ``NEAREST_ROWS_RATIO`` times as many) that
-        both plain and drafted rounds were timed over: a length timed costs its
-        median over that of plain rounds; the others their calibrated cost
-        scaled as the timed lengths were (by the mean of measured over
-        calibrated, weighted by rounds timed). Calibrated as they are until
-        both were timed."""
+        both plain and drafted rounds were timed over: what each length
+        costs over a plain step, as calibrated, times one factor, the least
+        squares fit (weighted by rounds timed) to the timed lengths' median
+        over that of plain rounds. One factor, not each length's own median:
+        a length timed over a few rounds is noisy, and at one row of the
+        benchmark pair such medians (g = 3 at 1.81 plain steps, g = 2 at
+        1.86) steered auto to g = 1 where g = 3 made 1.4x regular decoding.
+        Calibrated as they are until both were timed."""
         timed = [
             rows
             for rows, rounds in self.seconds.items()
@@ -558,13 +569,14 @@ class RoundTimes:
             for (kind, num_draft), times in rounds.items()
             if kind == source
         }
-        weights = [len(rounds[source, num_draft]) for num_draft in measured]
-        ratios = [cost / calibrated[num_draft] for num_draft, cost in measured.items()]
-        scale = np.average(ratios, weights=weights)
-        return [1.0] + [
-            measured.get(num_draft, calibrated[num_draft] * scale)
-            for num_draft in range(1, len(calibrated))
-        ]
+        weights = np.array([len(rounds[source, num_draft]) for num_draft in measured])
+        extra_measured = np.array(list(measured.values())) - 1
+        extra_calibrated = np.array([calibrated[num_draft] for num_draft in measured]) - 1
+        denominator = np.sum(weights * extra_calibrated**2)
+        if denominator <= 0:
+            return calibrated
+        scale = np.sum(weights * extra_measured * extra_calibrated) / denominator
+        return [1.0 + scale * (cost - 1) for cost in calibrated]
 
 
 def rows_bucket(batch_size: int) -> int:
@@ -575,10 +587,19 @@ def rows_bucket(batch_size: int) -> int:
     return int(np.ceil(2 * np.log2(batch_size)))
 
 
-def seconds_per_token(rounds: deque[tuple[float, int]]) -> float:
-    """Seconds per delivered token over ``rounds`` of (seconds, tokens)."""
-    seconds, tokens = np.sum(np.array(rounds), axis=0) if rounds else (0.0, 0)
-    return seconds / max(tokens, 1)
+def seconds_per_token(rounds: deque[tuple[float, int]]) -> tuple[float, float]:
+    """Seconds per delivered token over ``rounds`` of (seconds, tokens), and
+    its standard error (a ratio of sums: from the spread of each round's
+    seconds less the ratio times its tokens)."""
+    if not rounds:
+        return 0.0, 0.0
+    seconds, tokens = np.array(rounds, dtype=float).T
+    ratio = seconds.sum() / max(tokens.sum(), 1)
+    if len(rounds) < 2:
+        return ratio, 0.0
+    residuals = seconds - ratio * tokens
+    variance = len(rounds) * np.sum(residuals**2) / (len(rounds) - 1)
+    return ratio, float(np.sqrt(variance) / max(tokens.sum(), 1))
 
 
 @dataclass
@@ -586,28 +607,30 @@ class Verdict:
     """What the rounds over one bucket of batch sizes delivered, and whether
     drafting there is vetoed: see ``Deliveries``."""
 
-    # (seconds, tokens) of the last JUDGED_ROUNDS rounds that drafted nothing, and that drafted.
-    plain: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=JUDGED_ROUNDS))
-    drafted: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=JUDGED_ROUNDS))
+    # (seconds, tokens) of the last JUDGED_WINDOW rounds that drafted nothing, and that drafted.
+    plain: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=JUDGED_WINDOW))
+    drafted: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=JUDGED_WINDOW))
     vetoed: bool = False
     trial: int = 0  # rounds left of a trial of drafting, while vetoed
     wait: float = 0.0  # plain seconds to run before the next trial, while vetoed
-    # Seconds and tokens of the drafted rounds since the last judgement.
+    # Seconds and tokens of the drafted rounds since the last trial began (or the first).
     explored: tuple[float, int] = (0.0, 0)
 
     def judge(self) -> None:
         """Veto drafting if its rounds delivered fewer tokens per second than
-        plain ones (once both were measured), and then wait, before the next
-        trial, for plain rounds of the time the rounds drafted since the
-        last judgement lost over EXPLORATION_SHARE."""
+        plain ones, by more than VETO_ERRORS standard errors (once both
+        were measured), and then wait, before the next trial, for plain
+        rounds of the time the rounds drafted since the last trial began
+        lost over EXPLORATION_SHARE."""
         if len(self.plain) < PLAIN_FIRST or len(self.drafted) < JUDGED_ROUNDS:
             return
-        plain = seconds_per_token(self.plain)
-        self.vetoed = seconds_per_token(self.drafted) > plain
+        plain, plain_error = seconds_per_token(self.plain)
+        drafted, drafted_error = seconds_per_token(self.drafted)
+        self.vetoed = drafted - plain > VETO_ERRORS * np.hypot(plain_error, drafted_error)
         if self.vetoed:
             seconds, tokens = self.explored
             self.wait = (seconds - tokens * plain) / EXPLORATION_SHARE
-        self.explored = (0.0, 0)
+            self.explored = (0.0, 0)
 
 
 class Deliveries:
@@ -625,13 +648,16 @@ class Deliveries:
     A bucket not yet judged first takes PLAIN_FIRST plain steps, so that
     drafting is judged against plain steps of the same rows; then the cost
     model (``DraftLength.choose``) decides, and once JUDGED_ROUNDS rounds
-    drafted, every round is judged by the last JUDGED_ROUNDS of each kind:
+    drafted, every round is judged by the last JUDGED_WINDOW of each kind:
     where drafted rounds delivered fewer tokens per second than plain ones,
-    drafting is vetoed (the draft model dropped: see
-    ``ModelDrafter.suspend``). Conditions change (acceptance, rows, the
-    machine's load), so a vetoed bucket tries drafting again for
-    JUDGED_ROUNDS rounds after plain rounds that ran the time the last
-    trial lost over EXPLORATION_SHARE, and is judged again after it."""
+    by more than VETO_ERRORS standard errors of the difference (a drafted
+    round's tokens vary with its acceptance), drafting is vetoed (the draft
+    model dropped: see ``ModelDrafter.suspend``). Conditions change
+    (acceptance, rows, the machine's load), so a vetoed bucket tries
+    drafting again, after plain rounds that ran the time the last trial
+    lost over EXPLORATION_SHARE, for JUDGED_ROUNDS drafted rounds (the cost
+    model may choose plain steps meanwhile), judged on their own; kept up
+    if they do not lose, vetoed again if they do."""
 
     def __init__(self):
         self.verdicts: dict[int, Verdict] = {}  # per rows_bucket
@@ -661,14 +687,15 @@ class Deliveries:
             verdict.plain.append((seconds, tokens))
         if not verdict.vetoed:
             verdict.judge()
-        elif verdict.trial:
-            verdict.trial -= 1
+        elif verdict.trial:  # counted in drafted rounds: the cost model may choose plain steps
+            verdict.trial -= drafted
             if not verdict.trial:
                 verdict.judge()
         else:
             verdict.wait -= seconds
-            if verdict.wait <= 0:
+            if verdict.wait <= 0:  # a trial, judged by its own rounds
                 verdict.trial = JUDGED_ROUNDS
+                verdict.drafted.clear()
 
 
 class DraftLength:
