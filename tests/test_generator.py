@@ -312,6 +312,27 @@ def test_a_short_prompt_decodes_while_a_long_one_encodes(decoding_pair, monkeypa
     assert last[long_uid].tokens == decoder.generate(long_prompt, max_tokens=MAX_NEW).tokens
 
 
+def test_a_pass_encodes_its_first_rounds_time_at_once(decoding_pair):
+    """Interleaving while rows decode, a pass that has encoded for less than
+    a round's time goes first, credit or not (a server's usual request
+    joins at once); the others wait for the credit, in order."""
+    from decoder import Encoding
+
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
+    generator = decoder.batch_generator(max_batch_size=4, interleave_encoding=True)
+    generator.rows = [object()]  # a row decoding
+    generator.round_seconds = 0.050
+    throttled, other = Encoding([], None, seconds=0.200), Encoding([], None, seconds=0.060)
+    fresh = Encoding([], None, seconds=0.010)
+    generator.encodings = [throttled, other, fresh]
+    generator.encoding_credit = 0.0
+    assert generator._next_encoding(True, 0.0) is fresh
+    generator.encodings = [throttled, other]
+    assert generator._next_encoding(True, 0.0) is None
+    generator.encoding_credit = 0.001
+    assert generator._next_encoding(True, 0.0) is throttled
+
+
 def test_a_prompt_cancelled_while_encoding_leaves_nothing(decoding_pair):
     """A prompt cancelled while its pass encodes leaves the generator, its
     pass too when no prompt of it is left."""
