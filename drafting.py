@@ -44,6 +44,13 @@ PROBE_EVERY = 8
 # that changed, too rarely to cost much.
 PROBE_OPTIMISM = 4
 HOPELESS_PROBE_EVERY = 64
+# While it drafts, every this many rounds (a multiple of 2 * PROBE_EVERY)
+# the probe is a plain step instead, so that plain rounds stay timed. Where
+# drafting pays, each costs what it does not deliver: every 16 rounds, auto
+# made 0.92x the better of regular decoding and fixed g at B = 4 of the
+# benchmark pair, every 64 1.01x (in the same runs; 0.92x and 0.94x at
+# B = 8 of other prompts, where drafting does not pay).
+PLAIN_PROBE_EVERY = 8 * PROBE_EVERY
 # "auto" weighs the median time of the last this many rounds of each length.
 TIMED_ROUNDS = 9
 # Before a generation's first tested draft token at a given position, "auto"
@@ -723,9 +730,9 @@ class DraftLength:
     batch's rows: see ``rates``); once the tests
     leave no such hope (or the rounds' costs leave none, as at 32 rows of
     the benchmark pair), only every HOPELESS_PROBE_EVERY rounds. When it
-    drafts, every other such round is a plain step instead, starting with
-    the first: ``times`` measures drafted rounds against plain ones, so it
-    needs both.
+    drafts, every PLAIN_PROBE_EVERY-th round, starting with the first
+    probe, is a plain step instead: ``times`` measures drafted rounds
+    against plain ones, so it needs both.
 
     ``earlier`` holds, per source, the [accepted, tested] counts per position
     of the decoder's earlier generations, and is updated too. This
@@ -782,7 +789,7 @@ class DraftLength:
         self.rounds[source] += 1
         if self.rounds[source] % PROBE_EVERY:
             return num_draft
-        if num_draft > 0 and self.rounds[source] % (2 * PROBE_EVERY) == PROBE_EVERY:
+        if num_draft > 0 and self.rounds[source] % PLAIN_PROBE_EVERY == PROBE_EVERY:
             return 0
         hopeful = self.rates(source, rows, luck=PROBE_OPTIMISM)
         # The rare probe without hope, but not one that would start the draft
