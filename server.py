@@ -887,8 +887,8 @@ def cost_token_limit(args) -> int:
     more multiply-adds than the rest of the main model's step
     (``ModelArgs.decode_work``). Its encoding is sliced between the rounds
     (``BatchGenerator``), but once it joins, every row's cross-attention
-    widens to its length: the rows beside it then decode at no less than
-    about half their speed. Never below ``COST_LIMIT_FLOOR``."""
+    widens to its length until it leaves: the rows beside it then decode
+    at no less than about half their speed. Never below ``COST_LIMIT_FLOOR``."""
     per_prompt_token = args.num_decoder_layers * 2 * args.num_heads * args.d_kv
     return max(COST_LIMIT_FLOOR, args.decode_work // per_prompt_token)
 
