@@ -467,12 +467,15 @@ class BatchGenerator:
         self.round_seconds = round_seconds
         return events
 
-    def _started_model_drafter(self) -> ModelDrafter | None:
-        """The drafter's draft model (a hybrid drafter's too), if started."""
+    def _model_drafter(self) -> ModelDrafter | None:
+        """The drafter's draft model (a hybrid drafter's too), if any."""
         drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
-        if isinstance(drafter, ModelDrafter) and drafter.cache is not None:
-            return drafter
-        return None
+        return drafter if isinstance(drafter, ModelDrafter) else None
+
+    def _started_model_drafter(self) -> ModelDrafter | None:
+        """The drafter's draft model, if started."""
+        drafter = self._model_drafter()
+        return drafter if drafter is not None and drafter.cache is not None else None
 
     def _draft_start_cost(self, live: list[Row], limits: list[int]) -> float:
         """What a lazy draft model that has not started would cost to start
@@ -541,10 +544,10 @@ class BatchGenerator:
         """Start encoding waiting prompts while places allow (the prompts of
         each encoder pass together), then encode, shortest prompts first:
         all of it, or, interleaving, slices while the rounds' share of time
-        allows (``_next_encoding``). Prompts whose encoding ends take free rows, then new ones
-        up to ``max_batch_size``. The seconds spent on what every mode pays
-        alike (see ``Deliveries``): encoding the joining prompts and auto's
-        calibration."""
+        allows (``_next_encoding``). Prompts whose encoding ends take free
+        rows, then new ones up to ``max_batch_size``. The seconds spent on
+        what every mode pays alike (see ``Deliveries``): encoding the joining
+        prompts and auto's calibration."""
         encoding = sum(len(e.rows) for e in self.encodings)
         capacity = self.rows.count(None) + self.max_batch_size - len(self.rows) - encoding
         joining = [self.waiting.popleft() for _ in range(min(capacity, len(self.waiting)))]
@@ -601,10 +604,10 @@ class BatchGenerator:
         where the drafter would encode them as they join, in slices."""
         cache = yield from self.decoder.model.prompt_cache_slices(prompts, on_layer)
         draft_model = self.decoder.draft_model
-        drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
         if not self.speculative or draft_model is None:
             return cache, None
         # A lazy drafter encodes nothing before it has started.
+        drafter = self._model_drafter()
         if (drafter is None and self.decoder.lazy_drafting) or (
             drafter is not None and drafter.cache is None
         ):

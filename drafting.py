@@ -622,7 +622,7 @@ class Verdict:
     plain: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=JUDGED_WINDOW))
     drafted: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=JUDGED_WINDOW))
     vetoed: bool = False
-    trial: int = 0  # rounds left of a trial of drafting, while vetoed
+    trial: int = 0  # drafted rounds left of a trial of drafting, while vetoed
     wait: float = 0.0  # plain seconds to run before the next trial, while vetoed
     # Seconds and tokens of the drafted rounds since the last trial began (or the first).
     explored: tuple[float, int] = (0.0, 0)
