@@ -210,12 +210,20 @@ SORT_WINDOW = 4
 # While rows decode, a generator that interleaves encoding with its rounds
 # spends at most this share of its time encoding joining prompts, on
 # average: the rows keep at least 1 - ENCODING_SHARE of their tokens/s
-# (issue 49 asks for three quarters). A pass's first round's time of
-# encoding is not held back: a prompt that encodes within it (a server's
-# usual request) joins at once, where held to the share, at 8 rows of the
+# (issue 49 asks for three quarters). What a pass encodes within
+# JOINING_ROUNDS rounds' time per prompt is not held back: a server's usual
+# request joins at once, where held to the share, at 8 rows of the
 # benchmark pair, requests of 30-odd tokens queued for their encoding and
 # waited up to 10 s for their first token (0.05 s alone).
 ENCODING_SHARE = 0.2
+
+# Rounds' time, per prompt, a pass encodes at once (see ENCODING_SHARE).
+# Two, not one: at few rows a round is shorter than a usual prompt's
+# encoding (on the benchmark pair, 13 ms at 1 row against 20 ms for a
+# 25-token prompt, both models), and with one, of 8 requests sent at once
+# to a server, those after the first pass queued 6 to 21 rounds for the
+# rest of their encoding: 0.2 to 1.1 s to their first tokens.
+JOINING_ROUNDS = 2
 
 # With no row decoding, ``next`` encodes for about this long and returns, so
 # that a prompt sent meanwhile (a short one beside a long one) can start.
@@ -232,6 +240,11 @@ class Encoding:
     caches: tuple[DecoderCache, DecoderCache | None] | None = None  # set when it ends
     seconds: float = 0.0  # spent in its slices
     cancelled: set[int] = dataclasses.field(default_factory=set)  # uids
+
+    def free_seconds(self, round_seconds: float) -> float:
+        """The seconds it encodes at once while rows decode rounds of
+        ``round_seconds`` (see JOINING_ROUNDS)."""
+        return JOINING_ROUNDS * len(self.rows) * round_seconds
 
     @property
     def longest(self) -> int:
@@ -572,8 +585,8 @@ class BatchGenerator:
             seconds = encoding.seconds
             ended = encoding.advance()
             if self.interleave_encoding and any(self.rows):
-                # Charged past its first round's time (see ENCODING_SHARE).
-                free = max(0.0, self.round_seconds - seconds)
+                # Charged past its free seconds (see ENCODING_SHARE).
+                free = max(0.0, encoding.free_seconds(self.round_seconds) - seconds)
                 self.encoding_credit -= max(0.0, encoding.seconds - seconds - free)
             shared_seconds += encoding.seconds - seconds
             if ended:
@@ -584,7 +597,7 @@ class BatchGenerator:
     def _next_encoding(self, sliced: bool, idle_since: float) -> Encoding | None:
         """The pass to encode a slice of next, or None for none now: the
         first (``encodings`` in order) or, interleaving while rows decode,
-        the first that has encoded for less than a round's time, else the
+        the first that has encoded for less than its free seconds, else the
         first while the credit lasts; interleaving with no row decoding,
         for IDLE_ENCODING_SECONDS at most."""
         if not self.interleave_encoding:
@@ -592,7 +605,7 @@ class BatchGenerator:
         if not any(self.rows):
             idle = sliced and time.perf_counter() - idle_since >= IDLE_ENCODING_SECONDS
             return None if idle else self.encodings[0]
-        fresh = [e for e in self.encodings if e.seconds < self.round_seconds]
+        fresh = [e for e in self.encodings if e.seconds < e.free_seconds(self.round_seconds)]
         if fresh:
             return fresh[0]
         return self.encodings[0] if self.encoding_credit > 0 else None

@@ -98,16 +98,20 @@ def test_greedy_rows_among_sampled_rows_are_greedy(decoding_pair):
     """Greedy and sampled rows share every pass; each keeps its own rule."""
     decoder = SpeculativeDecoder(*decoding_pair, num_draft=3)
     generator = decoder.batch_generator(max_batch_size=8)
-    greedy, sampled = {}, []
+    greedy, sampled = {}, {}
     for i, prompt in enumerate(PROMPTS[:8]):
         if i % 2:
             greedy[generator.insert(prompt, max_tokens=MAX_NEW)] = prompt
         else:
-            sampled.append(generator.insert(prompt, max_tokens=MAX_NEW, sampling=Sampling(1.5)))
+            # Seeded: unseeded, whether a row drew a rejection varied run to run.
+            uid = generator.insert(prompt, max_tokens=MAX_NEW, sampling=Sampling(1.5), seed=i)
+            sampled[uid] = prompt
     results = drain(generator)
     for uid, prompt in greedy.items():
         assert results[uid].tokens == decoder.generate(prompt, max_tokens=MAX_NEW).tokens
-    assert sum(results[uid].n_rejected for uid in sampled) > 0  # the sampled rows did sample
+    # The sampled rows did sample: none drew its greedy text.
+    for uid, prompt in sampled.items():
+        assert results[uid].tokens != decoder.generate(prompt, max_tokens=MAX_NEW).tokens
 
 
 def test_prompts_join_and_leave_a_running_batch(decoding_pair):
@@ -312,20 +316,30 @@ def test_a_short_prompt_decodes_while_a_long_one_encodes(decoding_pair, monkeypa
     assert last[long_uid].tokens == decoder.generate(long_prompt, max_tokens=MAX_NEW).tokens
 
 
-def test_a_pass_encodes_its_first_rounds_time_at_once(decoding_pair):
+def test_a_pass_encodes_two_rounds_time_per_prompt_at_once(decoding_pair):
     """Interleaving while rows decode, a pass that has encoded for less than
-    a round's time goes first, credit or not (a server's usual request
-    joins at once); the others wait for the credit, in order."""
-    from decoder import Encoding
+    JOINING_ROUNDS rounds' time per prompt goes first, credit or not (a
+    server's usual requests join at once, even beside short rounds); the
+    others wait for the credit, in order."""
+    from decoder import JOINING_ROUNDS, Encoding, Row
 
     decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
     generator = decoder.batch_generator(max_batch_size=4, interleave_encoding=True)
     generator.rows = [object()]  # a row decoding
     generator.round_seconds = 0.050
-    throttled, other = Encoding([], None, seconds=0.200), Encoding([], None, seconds=0.060)
-    fresh = Encoding([], None, seconds=0.010)
-    generator.encodings = [throttled, other, fresh]
+    assert JOINING_ROUNDS == 2
+
+    def encoding(prompts: int, seconds: float) -> Encoding:
+        rows = [Row(uid, [5, 1], 4, Sampling(), None) for uid in range(prompts)]
+        return Encoding(rows, None, seconds=seconds)
+
+    throttled, other = encoding(1, 0.200), encoding(1, 0.100)
+    fresh = encoding(1, 0.090)  # under two rounds' time
+    several = encoding(3, 0.250)  # under six
+    generator.encodings = [throttled, other, several, fresh]
     generator.encoding_credit = 0.0
+    assert generator._next_encoding(True, 0.0) is several
+    generator.encodings = [throttled, other, fresh]
     assert generator._next_encoding(True, 0.0) is fresh
     generator.encodings = [throttled, other]
     assert generator._next_encoding(True, 0.0) is None
