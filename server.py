@@ -233,9 +233,14 @@ def parse_completion(body: object, max_tokens_limit: int, served_model: str) -> 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(400, "stream must be true or false", "stream")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict) or not isinstance(
-        stream_options.get("include_usage", False), bool
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise RequestError(400, 'stream_options goes with "stream": true', "stream_options")
+    stream_options = stream_options or {}
+    if (
+        not isinstance(stream_options, dict)
+        or not stream_options.keys() <= {"include_usage"}
+        or not isinstance(stream_options.get("include_usage", False), bool)
     ):
         raise RequestError(
             400, 'stream_options must be {"include_usage": true or false}', "stream_options"
@@ -291,6 +296,7 @@ class Job:
         self.choices = [Choice() for _ in settings.prompts]
         self.uids: dict[int, int] = {}  # row uid -> choice index
         self.done = False
+        self.outcome: str | None = None  # the counter it ended in (Engine.OUTCOMES)
 
     def send(self, message: tuple) -> None:
         """Hand ``message`` to the handler, from the decoding thread."""
@@ -322,7 +328,15 @@ class Engine:
     ``cancel`` jobs; the thread admits their prompts into the batch between
     rounds and sends each job ("accepted",), ("progress",) after every round
     that changed it (streaming jobs only), then ("done",) or ("error",
-    RequestError). ``abort`` ends every open job with an error at once."""
+    RequestError). ``abort`` ends every open job with an error at once.
+
+    Every completion request counts in ``requests`` and, once it ends, in
+    exactly one of ``OUTCOMES``; until then it is ``running``."""
+
+    # completed: answered in full; cancelled: its client left; refused: a
+    # 4xx, or a 503 before it decoded; errors: decoding failed, or the
+    # server shut down while it ran.
+    OUTCOMES = ("completed", "cancelled", "refused", "errors")
 
     def __init__(
         self,
@@ -345,7 +359,7 @@ class Engine:
         self.held = 0
         self.open_jobs: set[Job] = set()  # submitted, not yet answered (event loop's side)
         self.closing = False  # abort was called: no new job is taken
-        self.counters = dict.fromkeys(("requests", "completed", "cancelled", "errors", "active"), 0)
+        self.counters = dict.fromkeys(("requests", *self.OUTCOMES, "active"), 0)
         self.thread = threading.Thread(target=self._run, name="decoding", daemon=True)
 
     @property
@@ -365,24 +379,35 @@ class Engine:
         the server ever holds, 429 when it would fit once others finish,
         503 when the server is shutting down."""
         count = len(job.settings.prompts)
-        if self.closing:
-            raise RequestError(503, "the server is shutting down")
-        if count > self.max_prompts:
-            message = (
-                f"the request has {count} prompts; this server holds at most {self.max_prompts} "
-                f"at once (--max-batch-size {self.max_batch_size} + --max-waiting "
-                f"{self.max_waiting})"
-            )
-            raise RequestError(400, message, "prompt")
         with self.lock:
-            if self.held + count > self.max_prompts:
-                raise RequestError(
-                    429, "too many requests are waiting; retry later", kind="rate_limit_error"
-                )
-            self.held += count
             self.counters["requests"] += 1
+        try:
+            if self.closing:
+                raise RequestError(503, "the server is shutting down")
+            if count > self.max_prompts:
+                message = (
+                    f"the request has {count} prompts; this server holds at most "
+                    f"{self.max_prompts} at once (--max-batch-size {self.max_batch_size} + "
+                    f"--max-waiting {self.max_waiting})"
+                )
+                raise RequestError(400, message, "prompt")
+            with self.lock:
+                if self.held + count > self.max_prompts:
+                    raise RequestError(
+                        429, "too many requests are waiting; retry later", kind="rate_limit_error"
+                    )
+                self.held += count
+        except RequestError:
+            self._end(job, "refused")
+            raise
         self.open_jobs.add(job)
         self.commands.put(("submit", job))
+
+    def refused(self) -> None:
+        """Count a request refused before it became a job (its body was bad)."""
+        with self.lock:
+            self.counters["requests"] += 1
+            self.counters["refused"] += 1
 
     def answered(self, job: Job) -> None:
         """``job``'s handler is done with it (event loop's side)."""
@@ -399,6 +424,7 @@ class Engine:
         self.closing = True
         for job in self.open_jobs:
             job.messages.put_nowait(("error", RequestError(503, reason)))
+            self._end(job, "errors")
             self.cancel(job)
         self.open_jobs.clear()
 
@@ -408,7 +434,16 @@ class Engine:
             # its request's arrival (before the decoding thread has seen it)
             # through its encoding.
             waiting = max(0, self.held - self.counters["active"])
-            return {"status": "ok", **self.counters, "waiting": waiting}
+            ended = sum(self.counters[outcome] for outcome in self.OUTCOMES)
+            running = self.counters["requests"] - ended
+            return {"status": "ok", **self.counters, "running": running, "waiting": waiting}
+
+    def _end(self, job: Job, outcome: str) -> None:
+        """Count ``job`` in ``outcome``, unless it ended already."""
+        with self.lock:
+            if job.outcome is None:
+                job.outcome = outcome
+                self.counters[outcome] += 1
 
     def _release(self, prompts: int) -> None:
         """``prompts`` no longer held: finished, cancelled, refused or failed."""
@@ -450,8 +485,7 @@ class Engine:
                 failed = {id(job): job for job in jobs.values()}.values()
                 for job in failed:
                     job.send(("error", RequestError(500, f"decoding failed: {reason}")))
-                with self.lock:
-                    self.counters["errors"] += len(failed)
+                    self._end(job, "errors")
                 self._release(len(jobs))
                 jobs.clear()
                 generator = self._new_generator()
@@ -472,8 +506,7 @@ class Engine:
                 if job.finished:
                     job.done = True
                     job.send(("done",))
-                    with self.lock:
-                        self.counters["completed"] += 1
+                    self._end(job, "completed")
                 elif job.settings.stream:
                     job.send(("progress",))
             self._count(generator)
@@ -520,6 +553,7 @@ class Engine:
     def _refuse(self, job: Job, error: RequestError) -> None:
         self._release(len(job.settings.prompts))
         job.send(("error", error))
+        self._end(job, "refused")
 
     def _cancel(self, generator, job: Job, jobs: dict) -> None:
         rows = [uid for uid, owner in jobs.items() if owner is job]
@@ -528,8 +562,7 @@ class Engine:
             del jobs[uid]
         self._release(len(rows))
         if rows:
-            with self.lock:
-                self.counters["cancelled"] += 1
+            self._end(job, "cancelled")
 
 
 def completion_body(job: Job, request_id: str, model: str, created: int, stream_texts=None) -> dict:
@@ -615,7 +648,11 @@ def build_app(
     async def completions(request: Request):
         try:
             settings = parse_completion(await read_json(request), args.max_tokens_limit, model_name)
-            job = Job(settings, asyncio.get_running_loop())
+        except RequestError as error:
+            engine.refused()
+            return error_response(error)
+        job = Job(settings, asyncio.get_running_loop())
+        try:
             engine.submit(job)
         except RequestError as error:
             return error_response(error)

@@ -8,6 +8,7 @@ and stopped by the tests; every request has a time limit."""
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -39,17 +40,24 @@ def server_command(converted_pair, *options: str) -> list[str]:
 
 
 def start_server(
-    converted_pair, *options: str, key: str | None = API_KEY, quiet: bool = True
+    converted_pair,
+    *options: str,
+    key: str | None = API_KEY,
+    quiet: bool = True,
+    command: list[str] | None = None,
+    cwd: Path = ROOT,
 ) -> tuple:
-    """Start server.py on a free port (the system's pick); (process, base
-    URL). ``process.stderr_lines`` collects its standard error."""
-    command = server_command(converted_pair, *options, *(["--quiet"] if quiet else []))
+    """Start server.py (``command``, by default the test pair's
+    ``server_command``) in ``cwd`` on a free port (the system's pick);
+    (process, base URL). ``process.stderr_lines`` collects its standard error."""
+    command = command or server_command(converted_pair, *options)
+    command = command + (["--quiet"] if quiet else [])
     env = dict(os.environ)
     env.pop("T5_SERVER_API_KEY", None)
     if key:
         command += ["--api-key", key]
     process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        command, cwd=cwd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     lines = process.stderr_lines = []
     process.stdout_lines = []
@@ -179,6 +187,35 @@ def test_the_openai_client_gets_the_main_models_text(server, reference, converte
     assert client.models.retrieve(model).id == model
 
 
+def test_the_readme_client_gets_text_from_the_readme_server(converted_pair, tmp_path):
+    """The README's server command and its openai client example, as
+    written: the models it names (the test pair, in mlx_models/) and a free
+    port instead of 8080."""
+    serve = (ROOT / "README.md").read_text().split("## Serve", 1)[1]
+    command = shlex.split(re.search(r"```bash\n(.*?)\n", serve)[1])
+    client = re.search(r"```python\n(.*?)```", serve, re.DOTALL)[1]
+    assert command[:2] == [".venv/bin/python", "server.py"]
+    (tmp_path / "mlx_models").mkdir()
+    for option, directory in zip(("--model-name", "--draft-model-name"), converted_pair):
+        name = command[command.index(option) + 1]
+        (tmp_path / "mlx_models" / name).symlink_to(directory, target_is_directory=True)
+    command = [sys.executable, str(ROOT / "server.py"), *command[2:], "--port", "0"]
+    process, url = start_server(converted_pair, key=None, command=command, cwd=tmp_path)
+    try:
+        assert "http://127.0.0.1:8080/v1" in client
+        result = subprocess.run(
+            [sys.executable, "-c", client.replace("http://127.0.0.1:8080/v1", url + "/v1")],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip()
+    finally:
+        stop_server(process)
+
+
 def test_concurrent_requests_each_get_their_own_text(server, reference):
     """40 requests at once: prompts of 1 to about 160 tokens, streaming and
     not, greedy and sampled, some with a list of prompts."""
@@ -292,6 +329,19 @@ BAD_REQUESTS = [
     ("unknown parameter", {**GOOD, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     ("model a number", {**GOOD, "model": 3}, 400, "model"),
     ("user a number", {**GOOD, "user": 3}, 400, "user"),
+    ("stream_options without stream", {**GOOD, "stream_options": {}}, 400, "stream_options"),
+    (
+        "stream_options with stream false",
+        {**GOOD, "stream": False, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    (
+        "stream_options with a key not honoured",
+        {**GOOD, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        400,
+        "stream_options",
+    ),
 ]
 
 
@@ -476,6 +526,26 @@ def test_a_client_that_times_out_frees_its_rows(server, streaming):
     assert health["completed"] == before["completed"]
     assert health_when(server, lambda h: h["active"] == h["waiting"] == 0)["active"] == 0
     assert post(server, GOOD).status_code == 200
+
+
+def test_every_request_ends_in_exactly_one_counter(server):
+    """A mixed run: each request counts in ``requests`` and, once it ended,
+    in one of completed, cancelled, refused and errors; ``running`` is the rest."""
+    outcomes = ("completed", "cancelled", "refused", "errors")
+    before = httpx.get(server + "/health", timeout=TIMEOUT).json()
+    assert post(server, GOOD).status_code == 200
+    assert stream_texts(server, GOOD)
+    for bad in ("{", {"prompt": "the dog " * 1000}, {**GOOD, "model": "gpt-4"}):
+        assert post(server, bad).status_code in (400, 404)
+    assert post(server, {**GOOD, "prompt": ["a"] * 73}).status_code == 400  # refused at submit
+    with open_stream(server, LONG) as response:  # a client that leaves
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+    health = health_when(
+        server, lambda h: h["running"] == 0 and h["cancelled"] > before["cancelled"]
+    )
+    change = {name: health[name] - before[name] for name in ("requests", *outcomes)}
+    assert change == {"requests": 7, "completed": 2, "cancelled": 1, "refused": 4, "errors": 0}
+    assert health["requests"] == health["running"] + sum(health[name] for name in outcomes)
 
 
 def test_the_draft_stats_add_up(server):
