@@ -31,9 +31,9 @@ import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 from mlx import nn
 
-from cli import (
+from cli import ArgumentParser
+from loading import (
     WEIGHTS_FILE,
-    ArgumentParser,
     default_output,
     format_bytes,
     is_converted,

@@ -25,13 +25,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -40,7 +38,6 @@ import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from cache import DecoderCache, compacted_rows
-from cli import SEEDS, is_seed
 from drafting import (
     DRAFT_SOURCES,
     MAX_AUTO_DRAFT,
@@ -56,12 +53,9 @@ from drafting import (
     pass_times,
     trim_to,
 )
-from model import T5, ModelArgs, Slices, encoder_passes, load_config
-from sampling import RowSampling, Sampling, row_key, split_keys, verify
-
-
-class IncompatibleDraftError(ValueError):
-    """The draft model cannot propose tokens for the main model."""
+from loading import check_draft_compatible
+from model import T5, Slices, encoder_passes
+from sampling import SEEDS, RowSampling, Sampling, is_seed, row_key, split_keys, verify
 
 
 @dataclass
@@ -108,71 +102,6 @@ class GenerationResult:
     def tokens_per_second(self) -> float:
         """Generated tokens per second of generation (prompt processing excluded)."""
         return len(self.tokens) / self.generation_time if self.generation_time > 0 else 0.0
-
-
-# Tokenizer classes that T5TokenizerFast loads as AutoTokenizer would (from
-# tokenizer.json): T5 and mT5 save these.
-T5_TOKENIZERS = ("T5Tokenizer", "T5TokenizerFast")
-
-
-def load_tokenizer(path: str | Path):
-    """The Hugging Face tokenizer saved beside a converted model."""
-    # Without its files, transformers would quietly build a default T5
-    # tokenizer from config.json and every word would become <unk>.
-    if not any((Path(path) / name).is_file() for name in ("tokenizer.json", "spiece.model")):
-        raise FileNotFoundError(f"{path} has no tokenizer; convert the model again with convert.py")
-    try:
-        config = json.loads((Path(path) / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    if config.get("tokenizer_class") in T5_TOKENIZERS and (Path(path) / "tokenizer.json").is_file():
-        # Importing AutoTokenizer took 1.95 s here, T5TokenizerFast 0.89 s:
-        # main.py with one prompt took 2.6 s in all instead of 4.3-4.5.
-        from transformers import T5TokenizerFast
-
-        return T5TokenizerFast.from_pretrained(str(path))
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def check_draft_compatible(
-    main_args: ModelArgs,
-    draft_args: ModelArgs,
-    main_name: str = "main model",
-    draft_name: str = "draft model",
-    main_vocab: dict[str, int] | None = None,
-    draft_vocab: dict[str, int] | None = None,
-) -> None:
-    """Raise ``IncompatibleDraftError`` unless the draft model speaks the main
-    model's vocabulary: same output size, same special tokens and, when
-    given, the same tokenizer vocabulary."""
-    for field in (
-        "vocab_size",
-        "decoder_start_token_id",
-        "eos_token_id",
-        "pad_token_id",
-    ):
-        main_value, draft_value = getattr(main_args, field), getattr(draft_args, field)
-        if main_value != draft_value:
-            raise IncompatibleDraftError(
-                f"draft model {draft_name} does not match main model {main_name}: "
-                f"{field} is {draft_value} in the draft and {main_value} in the main model"
-            )
-    if main_vocab is not None and draft_vocab is not None and main_vocab != draft_vocab:
-        differing = len({index for _, index in main_vocab.items() ^ draft_vocab.items()})
-        raise IncompatibleDraftError(
-            f"draft model {draft_name} does not match main model {main_name}: "
-            f"their tokenizers differ in {differing} vocabulary entries"
-        )
-
-
-def check_draft_directories(main_path: str | Path, draft_path: str | Path) -> None:
-    """``check_draft_compatible`` for two converted model directories,
-    reading only their configs and tokenizers, before any weights are loaded."""
-    args = [load_config(path) for path in (main_path, draft_path)]
-    vocabs = [load_tokenizer(path).get_vocab() for path in (main_path, draft_path)]
-    check_draft_compatible(*args, str(main_path), str(draft_path), *vocabs)
 
 
 @dataclass

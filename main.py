@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import signal
 import sys
@@ -38,21 +37,15 @@ from cli import (
     FULL_FLOAT32_NOTE,
     NON_NEGATIVE,
     POSITIVE,
-    SEED,
-    SEEDS,
     ArgumentParser,
     add_drafting_options,
     checked,
-    format_bytes,
     full_float32,
-    python_command,
-    quiet_transformers,
     read_prompt,
-    resolve_model,
+    seed,
 )
+from loading import format_bytes, quiet_transformers
 
-# What check_memory proposes when the models do not fit: convert.py -q's default.
-FOUR_BIT = {"group_size": 64, "bits": 4, "mode": "affine"}
 CPU_QUANTIZED_NOTE = (
     "note: on the CPU, MLX's quantized matrix products slow down with every row, so prompt "
     "processing and speculative verify passes are many times slower than in float32; "
@@ -123,7 +116,7 @@ def build_parser() -> ArgumentParser:
         help="nucleus mass, in (0, 1]",
     )
     add("--top-k", type=NON_NEGATIVE, default=0, help="sample among the k likeliest (0: all)")
-    add("--seed", type=SEED, default=0, help=f"random seed for sampling, {SEEDS}")
+    add("--seed", type=seed, default=0, help="random seed for sampling, an integer in [0, 2**64)")
     add("--regular-decode", action="store_true", help="decode with the main model alone")
     add("--show-draft", action="store_true", help="colour accepted draft tokens on a terminal")
     return parser
@@ -240,135 +233,6 @@ def new_text(result, tokenizer, printed: str, num_printed: int, show_draft: bool
     return f"{DRAFT_COLOUR}{text[:boundary]}{RESET}{text[boundary:]}"
 
 
-def available_memory() -> int:
-    """Bytes MLX can use: the recommended working set on Apple silicon, else
-    the physical memory."""
-    import mlx.core as mx
-
-    info = mx.device_info()
-    if "max_recommended_working_set_size" in info:
-        return info["max_recommended_working_set_size"]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-# Peak bytes of encoder self-attention per byte of one block's float32
-# scores (the scores, the mask, softmax's intermediates), measured on the
-# CPU: about 1 to 1.5 in MLX's fused attention (fewer scores than
-# cpu.attention.SOFTMAX_CPU_MIN_SCORES), 7 to 7.5 through cpu.attention.softmax_cpu.
-# A GPU's attention is always the fused one (its peak there not measured).
-FUSED_ATTENTION_PEAK_FACTOR = 1.5
-ATTENTION_PEAK_FACTOR = 8
-# Values per token and unit of d_ff alive in the feed-forward block: its
-# hidden layer (the activation reuses it), and for gated models the two
-# products and their activated product. tests/test_memory.py checks the
-# estimate against measured peaks.
-FEED_FORWARD_VALUES = 1
-GATED_FEED_FORWARD_VALUES = 3.5
-
-
-def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
-    """An estimate of what a converted model needs besides its weights, per
-    row: the decoder's self- and cross-attention caches, and the larger of
-    the encoder's two peaks for a prompt of ``prompt_tokens`` (their sum
-    when the encoder takes the prompt in one block): self-attention
-    (its queries, keys and values, and one block's scores: the encoder
-    works over blocks of queries whose scores take at most
-    ``model.ENCODER_BLOCK_BYTES``, so memory grows with the prompt, not its
-    square) and the feed-forward block's hidden layer (over the same block
-    of positions, ``model.T5.encode_slices``)."""
-    import mlx.core as mx
-
-    from cache import KVCache
-    from cpu.attention import SOFTMAX_CPU_MIN_SCORES
-    from decoder import MAX_AUTO_DRAFT
-    from model import encoder_block_size, load_config, slice_positions
-
-    args = load_config(path)
-    config = json.loads((path / "config.json").read_text())
-    value_bytes = 2 if config.get("dtype", "float32") in ("bfloat16", "float16") else 4
-    inner = args.num_heads * args.d_kv
-    decoded = KVCache.step * math.ceil((max_tokens + MAX_AUTO_DRAFT + 1) / KVCache.step)
-    cache = 2 * args.num_decoder_layers * (prompt_tokens + decoded) * inner
-    residual = 2 * prompt_tokens * args.d_model  # the layer's input and its norm
-    projection, feed_forward_work = args._layer_work
-    block_size = min(
-        encoder_block_size(1, args.num_heads, prompt_tokens),
-        slice_positions(prompt_tokens, 1, 4 * projection + feed_forward_work),
-    )
-    # Queries, keys, values and the output; over blocks also their
-    # contiguous copies and the output's blocks.
-    attention_values = prompt_tokens * inner * (4 if block_size == prompt_tokens else 8)
-    scores = args.num_heads * block_size * prompt_tokens
-    factor = FUSED_ATTENTION_PEAK_FACTOR
-    if mx.default_device() == mx.cpu and scores >= SOFTMAX_CPU_MIN_SCORES:
-        factor = ATTENTION_PEAK_FACTOR
-    attention = attention_values * value_bytes + factor * 4 * scores
-    gated = args.feed_forward_proj.startswith("gated-")
-    hidden = GATED_FEED_FORWARD_VALUES if gated else FEED_FORWARD_VALUES
-    feed_forward = hidden * block_size * args.d_ff * value_bytes
-    # A block's attention and feed-forward block are one computation, whose two peaks can overlap.
-    encoder = attention + feed_forward
-    return int((cache + residual) * value_bytes + encoder)
-
-
-def check_memory(
-    model_name: str,
-    paths: list[Path],
-    prompt_tokens: int,
-    max_tokens: int,
-    batch_size: int = 1,
-) -> None:
-    """Raise ``MemoryError``, saying what would fit, when the models at
-    ``paths`` (the main model's directory, then the draft's, if any) would not
-    fit in memory together, decoding ``batch_size`` prompts of up to
-    ``prompt_tokens`` tokens at once."""
-    import mlx.core as mx
-
-    from model import load_config, parameter_bytes, weights_file
-
-    weights = [weights_file(path).stat().st_size for path in paths]
-    per_row = [runtime_bytes(path, prompt_tokens, max_tokens) for path in paths]
-    runtime = [batch_size * row for row in per_row]
-    needed, available = sum(weights) + sum(runtime), available_memory()
-    if needed <= available:
-        return
-    batch = f" for a batch of {batch_size}" if batch_size > 1 else ""
-    message = (
-        f"{' and '.join(map(str, paths))} {'need' if len(paths) > 1 else 'needs'} about "
-        f"{format_bytes(needed)}{batch}, more than the {format_bytes(available)} this "
-        "machine has for MLX"
-    )
-    fitting = (available - sum(weights)) // sum(per_row)
-    if fitting >= 1:  # a smaller batch fits
-        raise MemoryError(f"{message}; --batch-size {fitting} fits")
-
-    def fits(tokens: int) -> bool:
-        rows = sum(runtime_bytes(path, prompt_tokens, tokens) for path in paths)
-        return sum(weights) + batch_size * rows <= available
-
-    if fits(1):  # the cache for the tokens asked for is what does not fit
-        most, too_many = 1, max_tokens
-        while too_many - most > 1:
-            middle = (most + too_many) // 2
-            most, too_many = (middle, too_many) if fits(middle) else (most, middle)
-        raise MemoryError(
-            f"{message}: the decoder cache for --max-tokens {max_tokens} does not fit; "
-            f"--max-tokens {most} fits"
-        )
-    main_args = load_config(paths[0])
-    if main_args.quantization is None:
-        four_bit = parameter_bytes(main_args, mx.bfloat16, FOUR_BIT)
-        message += f"; with 4-bit weights the main model needs {format_bytes(four_bit)}"
-        if needed - weights[0] + four_bit <= available:
-            source = "<its checkpoint>" if Path(model_name).is_dir() else model_name
-            message += f", which fits: {python_command()} convert.py --model {source} -q"
-        else:
-            message += ", still too much"
-    elif len(paths) > 1 and weights[0] + runtime[0] <= available:
-        message += "; the main model alone fits: --draft-model-name none --prompt-lookup 3"
-    raise MemoryError(message)
-
-
 def stop_at_once(signum: int, frame) -> None:
     """Ctrl-C before generation (or after it): end the run at once, with a
     note. The KeyboardInterrupt Python would raise can land in an object's
@@ -476,37 +340,38 @@ def run(args: argparse.Namespace) -> int:
     import cpu  # noqa: F401  # isort: skip
     import mlx.core as mx
 
-    from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
-    from model import load_model
+    from loading import check_memory, load_decoder, load_tokenizer, model_paths
 
-    paths = [resolve_model(args.model_name)]
-    if not args.regular_decode and args.draft_model_name != "none":
-        paths.append(resolve_model(args.draft_model_name))
-        check_draft_directories(*paths)
+    paths = model_paths(args.model_name, draft_model_name(args))
     tokenizer = load_tokenizer(paths[0])
     longest = max(map(len, tokenizer(prompts).input_ids))
     batch_size = min(args.batch_size, len(prompts)) if args.prompts is not None else 1
     check_memory(args.model_name, paths, longest, args.max_tokens, batch_size)
-    models = []
     for path, role in zip(paths, ("", "draft ")):
         print(f"Loading {role}{path}", file=sys.stderr)
-        models.append(load_model(path))
+    decoder = load_decoder(
+        paths,
+        tokenizer,
+        num_draft=args.num_draft,
+        delta=args.delta,
+        prompt_lookup=0 if args.regular_decode else args.prompt_lookup,
+    )
+    models = [decoder.model] + ([decoder.draft_model] if decoder.draft_model else [])
     if mx.default_device() == mx.cpu:
         if any(model.args.quantization for model in models):
             print(CPU_QUANTIZED_NOTE, file=sys.stderr)
         elif any(model.dtype != mx.float32 for model in models):
             print(CPU_HALF_NOTE, file=sys.stderr)
-    decoder = SpeculativeDecoder(
-        models[0],
-        models[1] if len(models) > 1 else None,
-        tokenizer,
-        args.num_draft,
-        args.delta,
-        0 if args.regular_decode else args.prompt_lookup,
-    )
     if args.prompts is None:
         return generate_one(args, decoder, prompts[0])
     return generate_all(args, decoder, prompts)
+
+
+def draft_model_name(args: argparse.Namespace) -> str | None:
+    """The draft model ``args`` ask for; None for none."""
+    if args.regular_decode or args.draft_model_name == "none":
+        return None
+    return args.draft_model_name
 
 
 def sampling_options(args: argparse.Namespace) -> dict:

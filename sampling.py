@@ -17,6 +17,13 @@ from dataclasses import dataclass
 import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
+SEEDS = "an integer in [0, 2**64)"  # what mx.random.seed takes
+
+
+def is_seed(value: object) -> bool:
+    """Whether ``value`` is one of SEEDS."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+
 
 @dataclass(frozen=True)
 class Sampling:

@@ -38,15 +38,12 @@ from cli import (
     FULL_FLOAT32_NOTE,
     NON_NEGATIVE,
     POSITIVE,
-    SEEDS,
     ArgumentParser,
     add_drafting_options,
     checked,
     full_float32,
-    is_seed,
-    quiet_transformers,
-    resolve_model,
 )
+from loading import quiet_transformers
 
 API_KEY_VARIABLE = "T5_SERVER_API_KEY"
 # The most stop strings a request may give, as OpenAI allows.
@@ -245,6 +242,8 @@ def parse_completion(body: object, max_tokens_limit: int, served_model: str) -> 
         raise RequestError(
             400, 'stream_options must be {"include_usage": true or false}', "stream_options"
         )
+    from sampling import SEEDS, is_seed
+
     limit = max_tokens_limit
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not is_seed(seed)):
@@ -899,7 +898,7 @@ def prompt_token_limit(paths: list[Path], max_tokens: int, batch_size: int) -> i
     """The longest prompt, in tokens, for which a full batch at ``max_tokens``
     fits in memory by main.py's estimate, and which costs the rows beside it
     at most half their speed (``cost_token_limit``)."""
-    from main import available_memory, runtime_bytes
+    from loading import available_memory, runtime_bytes
     from model import load_config, weights_file
 
     weights = sum(weights_file(path).stat().st_size for path in paths)
@@ -941,32 +940,24 @@ def serve(args: argparse.Namespace) -> int:
     import cpu  # noqa: F401  # isort: skip
     import uvicorn
 
-    from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
-    from main import check_memory
-    from model import load_model
+    from loading import check_memory, load_decoder, model_paths
 
     Server = http_server_class()
     listener = listening_socket(args.host, args.port)
 
-    paths = [resolve_model(args.model_name)]
-    if not args.regular_decode and args.draft_model_name != "none":
-        paths.append(resolve_model(args.draft_model_name))
-        check_draft_directories(*paths)
+    no_draft = args.regular_decode or args.draft_model_name == "none"
+    paths = model_paths(args.model_name, None if no_draft else args.draft_model_name)
     limit = args.max_prompt_tokens or prompt_token_limit(
         paths, args.max_tokens_limit, args.max_batch_size
     )
     check_memory(args.model_name, paths, limit, args.max_tokens_limit, args.max_batch_size)
-    models = []
     for path, role in zip(paths, ("", "draft ")):
         print(f"Loading {role}{path}", file=sys.stderr)
-        models.append(load_model(path))
-    decoder = SpeculativeDecoder(
-        models[0],
-        models[1] if len(models) > 1 else None,
-        load_tokenizer(paths[0]),
-        args.num_draft,
-        args.delta,
-        0 if args.regular_decode else args.prompt_lookup,
+    decoder = load_decoder(
+        paths,
+        num_draft=args.num_draft,
+        delta=args.delta,
+        prompt_lookup=0 if args.regular_decode else args.prompt_lookup,
     )
     engine = Engine(
         decoder,

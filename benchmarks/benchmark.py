@@ -521,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         import mlx.core as mx
         from tqdm import tqdm
 
-        from cli import resolve_model
-        from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
+        from decoder import SpeculativeDecoder
+        from loading import check_draft_directories, load_tokenizer, resolve_model
         from model import load_model
 
         model_path = resolve_model(args.model_name)

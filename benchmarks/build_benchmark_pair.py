@@ -798,7 +798,8 @@ def measure_mlx(
     Returns per num_draft the summed counts and acceptance rate, the main model's texts
     (speculative greedy output equals it) and the draft model's own greedy texts.
     """
-    from decoder import SpeculativeDecoder, load_tokenizer
+    from decoder import SpeculativeDecoder
+    from loading import load_tokenizer
     from model import load_model
 
     main, draft = load_model(main_dir), load_model(draft_dir)

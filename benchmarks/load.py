@@ -320,7 +320,8 @@ def library_decoder(args):
     full_float32()  # as the server does, before MLX starts
     import cpu  # noqa: F401  # isort: skip
 
-    from decoder import SpeculativeDecoder, load_tokenizer
+    from decoder import SpeculativeDecoder
+    from loading import load_tokenizer
     from model import load_model
 
     return SpeculativeDecoder(

@@ -36,8 +36,9 @@ from limits import decoder_step_bytes
 from mlx.utils import tree_flatten
 
 import convert
-from cli import POSITIVE, ArgumentParser, is_converted
-from decoder import SpeculativeDecoder, load_tokenizer
+from cli import POSITIVE, ArgumentParser
+from decoder import SpeculativeDecoder
+from loading import is_converted, load_tokenizer
 from model import load_model
 
 PRECISIONS = {

@@ -160,7 +160,7 @@ def converted_pair(tmp_path_factory, hf_pair, converted):
 @pytest.fixture(scope="session")
 def decoding_pair(converted_pair):
     """(main model, draft model, tokenizer), loaded."""
-    from decoder import load_tokenizer
+    from loading import load_tokenizer
     from model import load_model
 
     main_dir, draft_dir = converted_pair

@@ -45,7 +45,8 @@ sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "mlx-first":
     import mlx.core
 elif sys.argv[2] == "readme":  # the README's Python snippet, which never names blas
-    from decoder import SpeculativeDecoder, load_tokenizer
+    from decoder import SpeculativeDecoder
+    from loading import load_tokenizer
     from model import load_model
 from cpu import blas
 import mlx.core as mx

@@ -26,9 +26,11 @@ import pytest
 from fixtures import train_tokenizer
 
 import convert
+import loading
 import main as main_module
-from cli import TF32_VARIABLE, python_command
-from decoder import GenerationResult, SpeculativeDecoder, load_tokenizer
+from cli import TF32_VARIABLE
+from decoder import GenerationResult, SpeculativeDecoder
+from loading import load_tokenizer, python_command
 from model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -511,7 +513,7 @@ def test_resolve_model_finds_convert_default_output(tmp_path, monkeypatch):
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
         (out / "weights.safetensors").write_bytes(b"")
-        assert main_module.resolve_model(name) == out
+        assert loading.resolve_model(name) == out
 
 
 def test_checkpoint_directory_advice_works_when_followed(hf_pair, converted, tmp_path):
@@ -550,7 +552,9 @@ def test_checkpoint_directory_advice_works_when_followed(hf_pair, converted, tmp
 
 def test_readme_python_snippet_runs_outside_the_repository(models, tmp_path):
     """The README's first Python snippet, run as the README says from another
-    directory (the root on PYTHONPATH), with the tiny pair as its models."""
+    directory (a copy of the repository on PYTHONPATH, the tiny pair in its
+    mlx_models/ under the README's names), without torch as the README
+    installs: it prints the texts, and nothing on standard error."""
     readme = (ROOT / "README.md").read_text()
     said, snippet = re.search(
         r"From Python \((.*?)\):\n\n```python\n(.*?)```", readme, re.DOTALL
@@ -559,14 +563,19 @@ def test_readme_python_snippet_runs_outside_the_repository(models, tmp_path):
         "PYTHONPATH=/path/to/this/repository /path/to/this/repository/.venv/bin/python script.py"
         in " ".join(said.split())
     )
-    (tmp_path / "mlx_models").mkdir()
+    repository, elsewhere = tmp_path / "repository", tmp_path / "elsewhere"
+    shutil.copytree(ROOT / "cpu", repository / "cpu", ignore=shutil.ignore_patterns("__pycache__"))
+    for module in ROOT.glob("*.py"):
+        shutil.copy(module, repository)
+    (repository / "mlx_models").mkdir()
     for name, directory in zip(("t5-11b", "t5-small"), models):
-        (tmp_path / "mlx_models" / name).symlink_to(directory, target_is_directory=True)
-    (tmp_path / "script.py").write_text(snippet)
+        (repository / "mlx_models" / name).symlink_to(directory, target_is_directory=True)
+    elsewhere.mkdir()
+    (elsewhere / "script.py").write_text(snippet)
     result = subprocess.run(
-        [sys.executable, "script.py"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+        [sys.executable, "-c", WITHOUT_TORCH, "script.py"],
+        cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(repository), "HF_HUB_OFFLINE": "1"},
         capture_output=True,
         text=True,
         timeout=300,
@@ -574,6 +583,7 @@ def test_readme_python_snippet_runs_outside_the_repository(models, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+    assert result.stderr == ""
 
 
 # --- bad input -----------------------------------------------------------------
@@ -620,6 +630,41 @@ def test_unconverted_model_names_the_convert_command(role, models, tmp_path):
     # Where it looked: the name itself and mlx_models/ of the current directory.
     assert str(tmp_path / "mlx_models" / "no-such-org-no-such-t5") in message
     assert "Loading" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["{tmp}/models/t5-larg", "./t5-larg", "models/t5-larg", "a/b/c", "{tmp}/not-a-model"],
+    ids=["absolute", "relative", "below a directory", "two slashes", "not a model"],
+)
+def test_a_missing_model_path_is_named_without_convert_advice(name, models, tmp_path):
+    """A path that holds no model is said to be missing (or not a model),
+    not to be converted: convert.py could not take it either."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "not-a-model").mkdir()
+    name = name.format(tmp=tmp_path)
+    result = run_main("--model-name", name, "--draft-model-name", str(models[1]), cwd=tmp_path)
+    message = assert_one_line_error(result)
+    assert name in message
+    assert "convert.py" not in message or "not-a-model" in name
+    assert ("not a model" if "not-a-model" in name else "no such directory") in message
+
+
+def test_a_long_prompt_gets_no_tokenizer_length_warning(models, tmp_path):
+    """transformers warns of indexing errors past the 512 tokens that T5's
+    tokenizers record (as the test pair's main model does here); T5's
+    relative positions have no limit, and such prompts decode correctly."""
+    main_dir = copy_model(models[0], tmp_path / "main")
+    config_file = main_dir / "tokenizer_config.json"
+    config_file.write_text(
+        json.dumps({**json.loads(config_file.read_text()), "model_max_length": 512})
+    )
+    prompt = "the dog ran " * 300
+    assert len(load_tokenizer(models[0])(prompt).input_ids) > 512
+    names = ["--model-name", str(main_dir), "--draft-model-name", str(models[1])]
+    result = run_main(*names, "--prompt", prompt, "-m", "3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "sequence length" not in result.stderr and "indexing errors" not in result.stderr
 
 
 def truncate_weights(directory: Path) -> None:
@@ -710,7 +755,7 @@ def needed_bytes(models) -> int:
     prompt_tokens = len(load_tokenizer(models[0])(PROMPT).input_ids)
     return sum(
         (path / "weights.safetensors").stat().st_size
-        + main_module.runtime_bytes(path, prompt_tokens, MAX_TOKENS)
+        + loading.runtime_bytes(path, prompt_tokens, MAX_TOKENS)
         for path in models
     )
 
@@ -730,7 +775,7 @@ def test_models_that_do_not_fit_are_refused_before_loading(
 ):
     needed = needed_bytes(models)
     available = needed - short_by if short_by >= 1 else needed * (1 - short_by)
-    monkeypatch.setattr(main_module, "available_memory", lambda: int(available))
+    monkeypatch.setattr(loading, "available_memory", lambda: int(available))
     assert main_module.main([*model_args(models), *GENERATE]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -740,7 +785,7 @@ def test_models_that_do_not_fit_are_refused_before_loading(
 
 
 def test_models_that_fit_run(models, greedy_reference, monkeypatch, capsys):
-    monkeypatch.setattr(main_module, "available_memory", lambda: needed_bytes(models))
+    monkeypatch.setattr(loading, "available_memory", lambda: needed_bytes(models))
     assert main_module.main([*model_args(models), *GENERATE]) == 0
     assert generated_text(capsys.readouterr().out) == greedy_reference.text
 
@@ -1010,15 +1055,15 @@ def test_batch_that_does_not_fit_names_a_batch_size_that_does(
     prompt and names the largest batch size that fits; that one runs."""
     longest = max(len(ids) for ids in load_tokenizer(models[0])(BATCH_PROMPTS).input_ids)
     weights = sum((path / "weights.safetensors").stat().st_size for path in models)
-    row = sum(main_module.runtime_bytes(path, longest, MAX_TOKENS) for path in models)
-    monkeypatch.setattr(main_module, "available_memory", lambda: weights + 2 * row + row // 2)
+    row = sum(loading.runtime_bytes(path, longest, MAX_TOKENS) for path in models)
+    monkeypatch.setattr(loading, "available_memory", lambda: weights + 2 * row + row // 2)
     (tmp_path / "prompts.txt").write_text(PROMPTS_FILE)
     run = [*model_args(models), "--prompts", str(tmp_path / "prompts.txt"), "-m", str(MAX_TOKENS)]
     assert main_module.main(run) == 1  # the default batch size, 8: 5 rows, as many as prompts
     captured = capsys.readouterr()
     assert captured.out == ""
     (line,) = captured.err.splitlines()
-    needed = main_module.format_bytes(weights + len(BATCH_PROMPTS) * row)
+    needed = loading.format_bytes(weights + len(BATCH_PROMPTS) * row)
     assert f"need about {needed} for a batch of {len(BATCH_PROMPTS)}" in line, line
     assert line.startswith("error: ") and line.endswith("; --batch-size 2 fits"), line
     assert main_module.main([*run, "--batch-size", "2"]) == 0
@@ -1116,7 +1161,7 @@ def test_output_dash_writes_json_lines_to_standard_output(models, single_results
 
 def test_too_many_tokens_names_max_tokens_and_what_fits(models, monkeypatch, capsys):
     needed = needed_bytes(models)
-    monkeypatch.setattr(main_module, "available_memory", lambda: needed)
+    monkeypatch.setattr(loading, "available_memory", lambda: needed)
     assert main_module.main([*model_args(models), "--prompt", PROMPT, "-m", "10000000"]) == 1
     (line,) = capsys.readouterr().err.splitlines()
     fits = re.search(r"--max-tokens 10000000 does not fit; --max-tokens (\d+) fits", line)
@@ -1124,7 +1169,7 @@ def test_too_many_tokens_names_max_tokens_and_what_fits(models, monkeypatch, cap
     prompt_tokens = len(load_tokenizer(models[0])(PROMPT).input_ids)
     largest = int(fits[1])
     assert largest >= MAX_TOKENS  # the run the memory was measured for fits
-    per_row = [main_module.runtime_bytes(path, prompt_tokens, largest + 300) for path in models]
+    per_row = [loading.runtime_bytes(path, prompt_tokens, largest + 300) for path in models]
     weights = sum((path / "weights.safetensors").stat().st_size for path in models)
     assert weights + sum(per_row) > needed  # a cache chunk more does not
     assert "4-bit" not in line

@@ -25,8 +25,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 import convert
-from cli import LEGACY_WEIGHTS_FILE, WEIGHTS_FILE, is_converted, written_by_convert
-from decoder import load_tokenizer
+from loading import (
+    LEGACY_WEIGHTS_FILE,
+    WEIGHTS_FILE,
+    is_converted,
+    load_tokenizer,
+    written_by_convert,
+)
 from model import (
     STACKED_PROJECTIONS,
     ModelArgs,

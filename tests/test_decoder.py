@@ -11,14 +11,14 @@ import pytest
 import torch
 from fixtures import load_hf, train_tokenizer
 
-from decoder import (
+from decoder import SpeculativeDecoder
+from drafting import trim_to
+from loading import (
     IncompatibleDraftError,
-    SpeculativeDecoder,
     check_draft_compatible,
     check_draft_directories,
     load_tokenizer,
 )
-from drafting import trim_to
 from sampling import Sampling, verify
 
 PROMPTS = [

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import model as model_module
-from decoder import SpeculativeDecoder, load_tokenizer
-from main import runtime_bytes
+from decoder import SpeculativeDecoder
+from loading import load_tokenizer, runtime_bytes
 from model import load_model
 
 # The decoding tests' main model (4 heads, gated, d_ff 64), and two with

@@ -22,7 +22,8 @@ from test_decoder import PROMPTS
 from test_model import random_ids
 
 import convert
-from decoder import SpeculativeDecoder, check_draft_directories, load_tokenizer
+from decoder import SpeculativeDecoder
+from loading import check_draft_directories, load_tokenizer
 from model import T5, ModelArgs, load_config, load_model, quantizable_layers
 
 # (bits, group size, mode) of the parity tests.
