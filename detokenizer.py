@@ -12,8 +12,8 @@ few ids of context and hands out the text they add:
   UTF-8 sequence: the decoder turns a run of byte pieces into its
   characters when the run is valid UTF-8 and into one U+FFFD per byte when
   not, so a run's text is known only once a piece that is not a byte ends
-  it (special tokens vanish before the bytes are joined, so they do not).
-  Until then its ids wait.
+  it (special tokens, which decoding skips, do not). Until then its ids
+  wait.
 * A tokenizer that cleans up spaces (" ." to ".") may drop a space when the
   next token comes: its text from the last space on waits too.
 
@@ -64,8 +64,11 @@ class StreamingDetokenizer:
     def add(self, ids: Sequence[int], last: bool = False) -> str:
         """The text that ``ids``, appended to the sequence, settle; with
         ``last`` (the sequence ends here), all of the text not yet handed out."""
-        self.pending += ids
-        if not last and self._in_byte_run():
+        # Decoding skips special tokens: leaving them out changes no text,
+        # and the window's ids are then never special tokens alone, which
+        # would leave the next word at the start of the text, spaceless.
+        self.pending += [token for token in ids if token not in self.special_ids]
+        if not last and (not self.pending or self.pending[-1] in self.byte_ids):
             return ""
         window = self.window + self.pending
         text = self.decode(window)
@@ -76,15 +79,6 @@ class StreamingDetokenizer:
         if len(self.window) >= 2 * CONTEXT:
             self._shorten_window()
         return piece
-
-    def _in_byte_run(self) -> bool:
-        """Whether the pending ids end in a run of byte pieces, which the
-        next id may go on: special tokens, skipped before the bytes are
-        joined, do not end it."""
-        for token in reversed(self.pending):
-            if token not in self.special_ids:
-                return token in self.byte_ids
-        return False
 
     def _settled_length(self, text: str) -> int:
         """The characters of ``text`` (the window's) that no later id changes."""
@@ -98,13 +92,11 @@ class StreamingDetokenizer:
 
     def _shorten_window(self) -> None:
         """Keep the last ``CONTEXT`` ids as the window, where they decode,
-        alone, to the end of the window's text and hold the text not yet
-        handed out. Decoded alone, an id that starts a word loses its space
-        and special tokens vanish; the kept ids must decode to some text, or
-        the next word would start the text and lose its space. Elsewhere the
-        window stays whole until a later round."""
+        alone, to the end of the window's text (the first of them may lose
+        its space, and bytes their run's start) and hold the text not yet
+        handed out; elsewhere the window stays whole until a later round."""
         kept = self.window[-CONTEXT:]
         kept_text = self.decode(kept)
         dropped = len(self.window_text) - len(kept_text)
-        if kept_text and self.window_text.endswith(kept_text) and dropped <= self.sent:
+        if self.window_text.endswith(kept_text) and dropped <= self.sent:
             self.window, self.window_text, self.sent = kept, kept_text, self.sent - dropped

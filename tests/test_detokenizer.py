@@ -173,15 +173,19 @@ IDS_PER_TOKEN = 1.5 * CONTEXT + 2
 
 
 def test_decoding_costs_a_few_ids_per_token(tokenizers):
+    """300 ids one at a time: of real text, of text then special tokens
+    alone (a model past its end), of text then spaces alone."""
     tokenizer = CountingTokenizer(tokenizers["byte fallback"])
-    text = " ".join(MULTI_BYTE_TEXTS * 10)
-    ids = tokenizer(text, add_special_tokens=False).input_ids[:300]
-    assert len(ids) == 300
-    detokenizer = StreamingDetokenizer(tokenizer)
-    streamed = "".join(detokenizer.add([token]) for token in ids[:-1])
-    streamed += detokenizer.add(ids[-1:], last=True)
-    assert streamed == tokenizer.decode(ids, skip_special_tokens=True)
-    assert tokenizer.decoded_ids <= IDS_PER_TOKEN * len(ids)
+    text = tokenizer(" ".join(MULTI_BYTE_TEXTS * 10), add_special_tokens=False).input_ids
+    space = tokenizer.convert_tokens_to_ids("▁")
+    for ids in (text[:300], text[:20] + [EOS_ID, PAD_ID] * 140, text[:20] + [space] * 280):
+        assert len(ids) == 300
+        tokenizer.decoded_ids = 0
+        detokenizer = StreamingDetokenizer(tokenizer)
+        streamed = "".join(detokenizer.add([token]) for token in ids[:-1])
+        streamed += detokenizer.add(ids[-1:], last=True)
+        assert tokenizer.decoded_ids <= IDS_PER_TOKEN * len(ids)
+        assert streamed == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_a_generation_decodes_a_few_ids_per_token(decoding_pair):
