@@ -10,6 +10,7 @@ import random
 import pytest
 import sentencepiece as spm
 from fixtures import EOS_ID, PAD_ID, UNK_ID, training_sentences
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, T5Tokenizer
 
 from decoder import Prefix, SpeculativeDecoder, load_tokenizer
@@ -72,16 +73,35 @@ def byte_fallback_tokenizer(tmp_path_factory):
     return tokenizer
 
 
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2's kind): its decoder joins the bytes
+    of all pieces and marks a character cut short with U+FFFD."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_sentences() + list(MULTI_BYTE_TEXTS[:1]), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
 @pytest.fixture(scope="module")
 def tokenizers(tokenizer_dir, byte_fallback_tokenizer):
     """The test tokenizer as decoder.py loads it, the same cleaning up spaces
-    (" ." to "."), and the byte-fallback one."""
+    (" ." to "."), the byte-fallback one and a byte-level one."""
     return {
         "sentencepiece": load_tokenizer(tokenizer_dir),
         "cleaning up spaces": AutoTokenizer.from_pretrained(
             tokenizer_dir, clean_up_tokenization_spaces=True
         ),
         "byte fallback": byte_fallback_tokenizer,
+        "byte level": byte_level_tokenizer(),
     }
 
 
@@ -117,7 +137,9 @@ def ends_in_bytes(ids: list[int], byte_ids: set[int], special_ids: set[int]) -> 
     return bool(text_ids) and text_ids[-1] in byte_ids
 
 
-@pytest.mark.parametrize("kind", ["sentencepiece", "cleaning up spaces", "byte fallback"])
+@pytest.mark.parametrize(
+    "kind", ["sentencepiece", "cleaning up spaces", "byte fallback", "byte level"]
+)
 def test_streamed_text_is_the_decode_of_every_id(kind, tokenizers):
     tokenizer = tokenizers[kind]
     rng = random.Random(0)
@@ -134,17 +156,19 @@ def test_streamed_text_is_the_decode_of_every_id(kind, tokenizers):
             streamed, seen = "", []
             for n, chunk in enumerate(chunks):
                 seen += chunk
-                streamed += detokenizer.add(chunk, last=n == len(chunks) - 1)
+                last = n == len(chunks) - 1
+                streamed += detokenizer.add(chunk, last=last)
                 so_far = decode(seen)
                 # Handed out only what no later id changes...
                 assert so_far.startswith(streamed) and whole.startswith(streamed)
                 # ...and all of it but what a later id may change.
-                if kind == "sentencepiece":
+                if last or kind == "sentencepiece":
                     assert streamed == so_far
-                elif kind == "byte fallback" and not ends_in_bytes(seen, byte_ids, special_ids):
-                    assert streamed == so_far.rstrip("\ufffd")
-                elif kind == "cleaning up spaces":
-                    assert len(streamed) >= so_far.rfind(" ")
+                elif kind == "byte level" or not ends_in_bytes(seen, byte_ids, special_ids):
+                    if kind == "cleaning up spaces":
+                        assert len(streamed) >= so_far.rfind(" ")
+                    else:
+                        assert streamed == so_far.rstrip("\ufffd")
             assert streamed == whole
 
 
