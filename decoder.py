@@ -70,20 +70,20 @@ T = TypeVar("T")
 
 
 class Prefix(Sequence[T]):
-    """The first ``length`` items of ``items``, a list that only grows (by
-    default all it holds now): a snapshot of it that copies nothing.
-    Read-only; equal to a list of the same items."""
+    """The items that ``items``, a list that only grows, holds now: a
+    snapshot of it that copies nothing. Read-only; equal to a list of the
+    same items."""
 
     __slots__ = ("items", "length")
 
-    def __init__(self, items: list[T], length: int | None = None):
+    def __init__(self, items: list[T]):
         self.items = items
-        self.length = len(items) if length is None else length
+        self.length = len(items)
 
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int | slice):
         if isinstance(index, slice):
             return [self.items[i] for i in range(*index.indices(self.length))]
         if not -self.length <= index < self.length:

@@ -30,8 +30,9 @@ from collections.abc import Sequence
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 # Ids of context kept before the new ones: the window of ids decoded each
-# time holds between CONTEXT and 2 * CONTEXT of them, about 1.5 * CONTEXT + 1
-# ids decoded per new id when ids come one at a time.
+# time holds between CONTEXT and 2 * CONTEXT of them. Ids coming one at a
+# time, each decodes with about 1.5 * CONTEXT others, and the window's
+# shortening decodes CONTEXT more every CONTEXT ids.
 CONTEXT = 2
 
 
@@ -59,6 +60,7 @@ class StreamingDetokenizer:
         self.pending: list[int] = []  # ids after the window: a run of bytes not yet ended
 
     def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` alone, as the tokenizer decodes a generation."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, ids: Sequence[int], last: bool = False) -> str:
@@ -82,8 +84,8 @@ class StreamingDetokenizer:
 
     def _settled_length(self, text: str) -> int:
         """The characters of ``text`` (the window's) that no later id changes."""
-        # U+FFFD at the end: a multi-byte character cut short, in tokenizers
-        # whose decoders join bytes across pieces without marking them.
+        # U+FFFD at the end: a character cut short, as byte-level decoders
+        # (GPT-2's) mark one whose bytes have not all come.
         end = len(text.rstrip("\ufffd"))
         space = text.rfind(" ")
         if self.cleans_up_spaces and space >= 0:
