@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -38,6 +39,7 @@ import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from cache import DecoderCache, compacted_rows
+from detokenizer import StreamingDetokenizer, byte_piece_ids
 from drafting import (
     DRAFT_SOURCES,
     MAX_AUTO_DRAFT,
@@ -57,21 +59,63 @@ from loading import check_draft_compatible
 from model import T5, Slices, encoder_passes
 from sampling import SEEDS, RowSampling, Sampling, is_seed, row_key, split_keys, verify
 
+T = TypeVar("T")
+
+
+class Prefix(Sequence[T]):
+    """The items that ``items``, a list that only grows, holds now: a
+    snapshot of it that copies nothing. Read-only; equal to a list of the
+    same items."""
+
+    __slots__ = ("items", "length")
+
+    def __init__(self, items: list[T]):
+        self.items = items
+        self.length = len(items)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int | slice):
+        if isinstance(index, slice):
+            return [self.items[i] for i in range(*index.indices(self.length))]
+        if not -self.length <= index < self.length:
+            raise IndexError("Prefix index out of range")
+        return self.items[index % self.length]
+
+    def __iter__(self) -> Iterator[T]:
+        return itertools.islice(self.items, self.length)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, (list, Prefix)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # equal to a list, which has none
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
 
 @dataclass
 class GenerationResult:
-    """The tokens and text generated so far, and what it cost."""
+    """The tokens and text generated so far, and what it cost. In the events
+    of a generation, the lists of an unfinished result are ``Prefix`` views
+    of the growing lists of its last, finished one."""
 
-    tokens: list[int]
+    tokens: Sequence[int]
+    # Their text, ``tokenizer.decode(tokens, skip_special_tokens=True)``,
+    # less, before the last result, the end that later tokens may still
+    # change (a character whose bytes have not all come).
     text: str = ""
     n_draft: int = 0  # draft tokens proposed
     n_accepted: int = 0  # draft tokens accepted
     n_rejected: int = 0  # draft tokens tested and rejected (at most one per round)
     n_steps: int = 0  # main-model decoder passes
-    from_draft: list[bool] = dataclasses.field(
+    from_draft: Sequence[bool] = dataclasses.field(
         default_factory=list
     )  # per token: an accepted draft token
-    draft_lengths: list[int] = dataclasses.field(
+    draft_lengths: Sequence[int] = dataclasses.field(
         default_factory=list
     )  # per round: draft tokens proposed
     n_lookup_rounds: int = 0  # rounds drafted by prompt lookup
@@ -115,6 +159,7 @@ class Row:
     seed: int | None
     sequence: list[int] = dataclasses.field(default_factory=list)  # start token + generated
     result: GenerationResult | None = None  # set when the row joins the batch
+    detokenizer: StreamingDetokenizer | None = None  # its text; set as it joins
     key: mx.array | None = None  # its stream of random numbers, from the seed
     start: float = 0.0  # time.perf_counter() when its prompt processing began
     # Its own draft tokens accepted and tested, per source and position (see DraftLength).
@@ -390,8 +435,8 @@ class BatchGenerator:
             delivered += len(new_tokens)
             result.tokens += new_tokens
             result.from_draft += [j < accepted for j in range(len(new_tokens))]
-            result.text = decoder.tokenizer.decode(result.tokens, skip_special_tokens=True)
             result.finished = finished or len(result.tokens) >= row.max_tokens
+            result.text += row.detokenizer.add(new_tokens, last=result.finished)
             result.elapsed = time.perf_counter() - row.start
             events.append((row.uid, snapshot(result)))
             if result.finished:
@@ -592,6 +637,7 @@ class BatchGenerator:
                 prompt_time=prompt_time,
                 calibration_time=calibration_time,
             )
+            row.detokenizer = StreamingDetokenizer(self.decoder.tokenizer, self.decoder.byte_ids)
             self.rows[place] = row
         # Cancelled while encoding; another row of the pass is live.
         for place, row in zip(places, joining):
@@ -649,12 +695,16 @@ GREEDY_KEY = mx.random.key(0)
 
 
 def snapshot(result: GenerationResult) -> GenerationResult:
-    """A copy of ``result`` that later rounds do not change."""
+    """``result`` as later rounds leave it: its lists only grow, so views of
+    them as they stand now (``Prefix``), not copies, which would make a
+    round's time grow with the output; a finished result, itself."""
+    if result.finished:
+        return result
     return dataclasses.replace(
         result,
-        tokens=list(result.tokens),
-        from_draft=list(result.from_draft),
-        draft_lengths=list(result.draft_lengths),
+        tokens=Prefix(result.tokens),
+        from_draft=Prefix(result.from_draft),
+        draft_lengths=Prefix(result.draft_lengths),
     )
 
 
@@ -693,6 +743,12 @@ class SpeculativeDecoder:
         self.acceptance = {}  # per way of drafting: see DraftLength
         self.round_times = {}  # per way of drafting: see RoundTimes
         self.deliveries = {}  # per way of drafting: see Deliveries
+
+    @functools.cached_property
+    def byte_ids(self) -> frozenset[int]:
+        """The tokenizer's byte pieces, which the rows' detokenizers wait on;
+        read once, since reading a large vocabulary takes a while."""
+        return byte_piece_ids(self.tokenizer)
 
     @property
     def drafting(self) -> str:

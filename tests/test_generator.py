@@ -37,9 +37,18 @@ def drain(generator) -> dict[int, object]:
     return last
 
 
+def as_lists(result) -> tuple:
+    """What a result holds, copied."""
+    return list(result.tokens), list(result.from_draft), list(result.draft_lengths), result.text
+
+
 def test_events_are_snapshots(decoding_pair):
     decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
-    events = list(decoder.stream_batch(PROMPTS[:3], batch_size=2, max_tokens=4))
+    events, as_yielded = [], []
+    for index, result in decoder.stream_batch(PROMPTS[:3], batch_size=2, max_tokens=4):
+        events.append((index, result))
+        as_yielded.append(as_lists(result))
+    assert [as_lists(result) for _, result in events] == as_yielded
     assert sum(result.finished for _, result in events) == 3
     for index in range(3):
         lengths = [len(r.tokens) for i, r in events if i == index]
