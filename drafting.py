@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -115,6 +116,34 @@ class Draft:
         return cls(
             mx.zeros((batch_size, 0), mx.int32), None, [0] * batch_size, ["none"] * batch_size
         )
+
+
+class Drafter(Protocol):
+    """What the loop asks of a source of draft tokens for a batch's rows."""
+
+    # Seconds its proposals spent encoding the rows' prompts (a lazy draft model's).
+    encoding_time: float
+
+    def propose(
+        self,
+        sequences: list[list[int]],
+        sampling: RowSampling,
+        budget: Callable[[str], int],
+        limits: list[int],
+        keys: mx.array | None = None,
+    ) -> Draft | None:
+        """Up to ``budget(source)`` tokens for each row of ``sequences`` (its
+        start token and tokens so far), at most ``limits[i]`` for row i;
+        None when no row gets any."""
+
+    def admit(
+        self, rows: list[int], prompts: list[list[int]], cache: DecoderCache | None = None
+    ) -> None:
+        """Give ``rows`` (restarted, or added past the batch) ``prompts``,
+        with the draft model's ``cache`` of them where encoded already."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only ``rows``, in that order."""
 
 
 def trim_to(cache: DecoderCache, sequences: list[list[int]]) -> list[list[int]]:
