@@ -1,28 +1,21 @@
-"""Regular and speculative decoding (Leviathan et al., arXiv 2211.17192) for T5 in MLX.
+"""Speculative decoding (Leviathan et al., arXiv 2211.17192) for T5 in MLX:
+the round, its results, and the API.
 
-One speculative round:
-
-1. the draft model proposes ``g`` tokens x_1..x_g, one at a time, from its
-   distributions q_1..q_g;
-2. the main model scores the last accepted token and x_1..x_g in one pass,
-   giving its distributions p_1..p_{g+1};
-3. each x_i is accepted in turn until the first rejection; the round then
-   adds one token of the main model's own: a replacement for the rejected
-   token, or one more token after x_g when all were accepted.
-
-So every round costs one main-model pass and adds between 1 and g+1 tokens.
-The host waits once per round, for the accepted count and the next token.
-
-A batch of prompts runs the same rounds, all rows in each pass: every row
-proposes its own draft tokens, is verified by the same rule and keeps its
-own number of them (the caches keep a length per row). Rows that finish
-leave the batch and waiting prompts take their places. A single prompt is
-a batch of one. Drafters and the draft-length rule live in ``drafting.py``.
+``speculative_round`` is the algorithm: a drafter proposes up to g tokens,
+the main model scores them all in one pass, ``sampling.verify`` accepts a
+prefix of them and adds one token of the main model's own. A round costs
+one main-model pass and adds 1 to g + 1 tokens; the host waits once per
+round. A batch's rows run the same rounds, each with its own draft tokens
+and its own number accepted (the caches keep a length per row);
+``scheduler.BatchGenerator`` lets prompts join and leave the batch. Where
+drafts come from: ``drafting.py``; how many: ``drafting.FixedDraftLength``
+or ``auto.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,18 +24,10 @@ from typing import TYPE_CHECKING
 import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
+from auto import Auto
 from cache import DecoderCache
-from drafting import (
-    DRAFT_SOURCES,
-    MAX_AUTO_DRAFT,
-    Draft,
-    Drafter,
-    HybridDrafter,
-    ModelDrafter,
-    PromptLookupDrafter,
-    pass_times,
-    trim_to,
-)
+from detokenizer import byte_piece_ids
+from drafting import Draft, Drafter, DraftLength, FixedDraftLength, make_drafter, trim_to
 from loading import check_draft_compatible
 from model import T5
 from sampling import RowSampling, Sampling, verify
@@ -125,22 +110,43 @@ class RoundOutcome:
         self.ended.append(ended)
 
 
+@dataclass(frozen=True)
+class Options:
+    """How a prompt is decoded: at most ``max_tokens`` new tokens, sampled
+    at ``temp`` (0: greedy) from the ``top_k`` likeliest tokens (0: all)
+    holding ``top_p`` of the probability, with the random numbers of
+    ``seed`` (None: MLX's random state)."""
+
+    max_tokens: int = 100
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temp, self.top_p, self.top_k)
+
+
 @dataclass
 class GenerationResult:
-    """The tokens and text generated so far, and what it cost."""
+    """The tokens and text generated so far, and what it cost. In the events
+    of a generation, the lists of an unfinished result are views
+    (``scheduler.Prefix``) of the growing lists of its last, finished one."""
 
-    tokens: list[int]
+    tokens: Sequence[int]
+    # Their text, ``tokenizer.decode(tokens, skip_special_tokens=True)``,
+    # less, before the last result, the end that later tokens may still
+    # change (a character whose bytes have not all come).
     text: str = ""
     n_draft: int = 0  # draft tokens proposed
     n_accepted: int = 0  # draft tokens accepted
     n_rejected: int = 0  # draft tokens tested and rejected (at most one per round)
     n_steps: int = 0  # main-model decoder passes
-    from_draft: list[bool] = dataclasses.field(
-        default_factory=list
-    )  # per token: an accepted draft token
-    draft_lengths: list[int] = dataclasses.field(
-        default_factory=list
-    )  # per round: draft tokens proposed
+    # Per token: whether it is an accepted draft token.
+    from_draft: Sequence[bool] = dataclasses.field(default_factory=list)
+    # Per round: the draft tokens proposed.
+    draft_lengths: Sequence[int] = dataclasses.field(default_factory=list)
     n_lookup_rounds: int = 0  # rounds drafted by prompt lookup
     prompt_tokens: int = 0  # tokens of the prompt, end-of-sequence included
     # Seconds encoding the prompt (both models, cross-attention too); the
@@ -200,12 +206,13 @@ class SpeculativeDecoder:
         self.num_draft = num_draft
         self.delta = delta
         self.prompt_lookup = prompt_lookup
-        self._costs = {}  # round costs per source, draft model and batch size: see measure_costs
-        # Per batch size, the seconds of a plain step measure_costs timed.
-        self.plain_step_seconds: dict[int, float] = {}
-        self.acceptance = {}  # per way of drafting: see DraftLength
-        self.round_times = {}  # per way of drafting: see RoundTimes
-        self.deliveries = {}  # per way of drafting: see Deliveries
+        self.auto = Auto()  # what "auto" measured, kept from batch to batch
+
+    @functools.cached_property
+    def byte_ids(self) -> frozenset[int]:
+        """The tokenizer's byte pieces, which the rows' detokenizers wait on;
+        read once, since reading a large vocabulary takes a while."""
+        return byte_piece_ids(self.tokenizer)
 
     @property
     def drafting(self) -> str:
@@ -247,57 +254,30 @@ class SpeculativeDecoder:
         first drafts (see ``ModelDrafter``): with "auto", which may not."""
         return self.num_draft == "auto" and self.draft_model is not None
 
-    def drafter(self, prompts: list[list[int]], cache: DecoderCache | None = None):
+    def drafter(self, prompts: list[list[int]], cache: DecoderCache | None = None) -> Drafter:
         """A drafter for a batch of ``prompts`` (token ids); ``cache``: the
         draft model's cache of them, where encoded already."""
         vocab_size = self.model.args.vocab_size
-        if self.drafting == "prompt lookup":
-            return PromptLookupDrafter(prompts, vocab_size, self.prompt_lookup)
-        model_drafter = ModelDrafter(self.draft_model, prompts, self.lazy_drafting, cache)
-        if self.drafting == "draft model":
-            return model_drafter
-        # Single-token matches are weak; the draft model does better there.
-        lookup = PromptLookupDrafter(
-            prompts, vocab_size, self.prompt_lookup, min(2, self.prompt_lookup)
+        return make_drafter(
+            self.draft_model, self.prompt_lookup, vocab_size, prompts, self.lazy_drafting, cache
         )
-        return HybridDrafter(lookup, model_drafter)
 
-    def measure_costs(
-        self, prompt_ids: Sequence[int], batch_size: int = 1
-    ) -> dict[str, list[float]]:
-        """What "auto" weighs at ``batch_size`` rows, for each draft source
-        this decoder drafts from: the time of a round drafting g = 0 ..
-        MAX_AUTO_DRAFT tokens per row and verifying them, over that of a
-        plain main step, timed on ``prompt_ids`` once per decoder (and draft
-        model) and batch size. A model's draft tokens are timed in the round,
-        between main passes, because drafting there costs more than drafting
-        alone (see docs/how-it-works.md). Looking up draft tokens costs next
-        to nothing, so a lookup round costs its verify pass."""
-        prompt_ids = list(prompt_ids)
-        sources = {"draft model": ["model"], "prompt lookup": ["lookup"], "hybrid": DRAFT_SOURCES}
-        costs, encoder_output = {}, None
-        for source in sources.get(self.drafting, []):
-            key = source, id(self.draft_model) if source == "model" else None, batch_size
-            if key not in self._costs:
-                drafter = None
-                if source == "model":
-                    drafter = ModelDrafter(self.draft_model, [prompt_ids] * batch_size)
-                if encoder_output is None:  # once for both sources of hybrid drafting
-                    encoder_output = self.model.encode(mx.array([prompt_ids]))
-                times = pass_times(
-                    self.model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size, drafter
-                )
-                self._costs[key] = [t / times[0] for t in times]
-                self.plain_step_seconds[batch_size] = times[0]
-            costs[source] = self._costs[key]
-        return costs
+    def draft_length(
+        self, prompts: list[list[int]], sampling: Sampling, batch_size: int
+    ) -> DraftLength:
+        """The draft-length rule of a batch whose first rows are ``prompts``,
+        sampled by ``sampling``, its costs weighed at ``batch_size`` rows."""
+        if self.num_draft == "auto":
+            return self.auto.for_batch(self, prompts[0], sampling, batch_size)
+        return FixedDraftLength(self.num_draft)
 
     def batch_generator(
         self, *, speculative: bool = True, max_batch_size: int = 8, **kwargs
     ) -> BatchGenerator:
         """A ``BatchGenerator`` decoding with this decoder: prompts join it
         while it runs (``insert``), one round per ``next``."""
-        from scheduler import BatchGenerator  # which runs this module's rounds
+        # Imported here: the scheduler runs this module's rounds.
+        from scheduler import BatchGenerator
 
         return BatchGenerator(
             self, speculative=speculative, max_batch_size=max_batch_size, **kwargs
@@ -309,22 +289,18 @@ class SpeculativeDecoder:
         *,
         speculative: bool = True,
         batch_size: int = 8,
-        max_tokens: int = 100,
-        temp: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
         prompt_progress: Callable[[int, int], None] | None = None,
+        **options,
     ) -> Iterator[tuple[int, GenerationResult]]:
-        """Decode ``prompts``, ``batch_size`` at a time, and yield ``(index,
-        result)`` for every prompt in the batch after every main-model pass
-        (a new result object each time); ``result.finished`` marks a
-        prompt's last. Prompts are taken longest first within each run of
-        ``SORT_WINDOW * batch_size`` (``longest_first``). A prompt that
-        finishes (end of sequence or ``max_tokens``) leaves the batch and
-        the next waiting prompt takes its place. Regular decoding
-        (``speculative=False``, or nothing to draft with) is the same loop
-        with no draft tokens. With ``seed``,
+        """Decode ``prompts`` as ``options`` say (``Options``' fields),
+        ``batch_size`` at a time, and yield ``(index, result)`` for every
+        prompt in the batch after every main-model pass (a new result object
+        each time); ``result.finished`` marks a prompt's last. Prompts are
+        taken longest first within each run of ``SORT_WINDOW * batch_size``
+        (``longest_first``). A prompt that finishes (end of sequence or
+        ``max_tokens``) leaves the batch and the next waiting prompt takes
+        its place. Regular decoding (``speculative=False``, or nothing to
+        draft with) is the same loop with no draft tokens. With ``seed``,
         every prompt draws the random numbers it would draw alone, so it
         gets the text it gets alone (for a fixed ``num_draft``).
         ``prompt_progress(done, total)`` follows the encoding of prompts:
@@ -332,126 +308,77 @@ class SpeculativeDecoder:
         models, each padded pass), whenever prompts join the batch."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts")
-        return self._stream(
-            prompts,
-            speculative=speculative,
-            batch_size=batch_size,
-            max_tokens=max_tokens,
-            sampling=Sampling(temp, top_p, top_k),
-            seed=seed,
-            name_prompts=True,
-            prompt_progress=prompt_progress,
-        )
-
-    def _stream(
-        self,
-        prompts,
-        *,
-        speculative,
-        batch_size,
-        max_tokens,
-        sampling,
-        seed,
-        name_prompts,
-        prompt_progress,
-    ) -> Iterator[tuple[int, GenerationResult]]:
-        generator = self.batch_generator(
-            speculative=speculative, max_batch_size=batch_size, prompt_progress=prompt_progress
-        )
-        generator.check_options(max_tokens, seed)
-        ids = []
-        for i, prompt in enumerate(prompts):
-            try:
-                ids.append(self.prompt_ids(prompt))
-            except (TypeError, ValueError) as error:
-                if not name_prompts:
-                    raise
-                raise type(error)(f"prompt {i}: {error}") from None
-        index = {}
-        for i in longest_first(ids, SORT_WINDOW * batch_size):
-            uid = generator.insert(ids[i], max_tokens=max_tokens, sampling=sampling, seed=seed)
-            index[uid] = i
-        return ((index[uid], result) for events in iter_rounds(generator) for uid, result in events)
+        return self._stream(prompts, Options(**options), speculative, batch_size, prompt_progress)
 
     def stream(
         self,
         prompt: str | Sequence[int],
         *,
         speculative: bool = True,
-        max_tokens: int = 100,
-        temp: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
         prompt_progress: Callable[[int, int], None] | None = None,
+        **options,
     ) -> Iterator[GenerationResult]:
-        """Decode ``prompt`` and yield the running result after every
-        main-model pass (a new object each time): a batch of one.
+        """Decode ``prompt`` as ``options`` say and yield the running result
+        after every main-model pass (a new object each time): a batch of one.
         ``prompt_progress`` as for ``stream_batch``."""
-        events = self._stream(
-            [prompt],
-            speculative=speculative,
-            batch_size=1,
-            max_tokens=max_tokens,
-            sampling=Sampling(temp, top_p, top_k),
-            seed=seed,
-            name_prompts=False,
-            prompt_progress=prompt_progress,
-        )
+        events = self._stream([prompt], Options(**options), speculative, 1, prompt_progress)
         return (result for _, result in events)
 
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
-        """Regular decoding with the main model alone. Takes the keyword
-        arguments of ``stream``: max_tokens, temp, top_p, top_k, seed."""
-        return _last(self.stream(prompt, speculative=False, **kwargs))
+    def _stream(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        options: Options,
+        speculative: bool,
+        batch_size: int,
+        prompt_progress: Callable[[int, int], None] | None,
+    ) -> Iterator[tuple[int, GenerationResult]]:
+        from scheduler import SORT_WINDOW, iter_rounds, longest_first  # see batch_generator
 
-    def speculative_decode(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
+        generator = self.batch_generator(
+            speculative=speculative, max_batch_size=batch_size, prompt_progress=prompt_progress
+        )
+        generator.check_options(options.max_tokens, options.seed)
+        ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids.append(self.prompt_ids(prompt))
+            except (TypeError, ValueError) as error:
+                if len(prompts) == 1:  # one prompt needs no name
+                    raise
+                raise type(error)(f"prompt {i}: {error}") from None
+        index = {}
+        for i in longest_first(ids, SORT_WINDOW * batch_size):
+            uid = generator.insert(
+                ids[i], max_tokens=options.max_tokens, sampling=options.sampling, seed=options.seed
+            )
+            index[uid] = i
+        return ((index[uid], result) for events in iter_rounds(generator) for uid, result in events)
+
+    def generate(self, prompt: str | Sequence[int], **options) -> GenerationResult:
+        """Regular decoding with the main model alone, as ``options`` say
+        (``Options``' fields: max_tokens, temp, top_p, top_k, seed)."""
+        return _last(self.stream(prompt, speculative=False, **options))
+
+    def speculative_decode(self, prompt: str | Sequence[int], **options) -> GenerationResult:
         """Speculative decoding; same arguments as ``generate``."""
-        return _last(self.stream(prompt, speculative=True, **kwargs))
+        return _last(self.stream(prompt, speculative=True, **options))
 
     def generate_batch(
-        self, prompts: Sequence[str | Sequence[int]], batch_size: int = 8, **kwargs
+        self, prompts: Sequence[str | Sequence[int]], batch_size: int = 8, **options
     ) -> list[GenerationResult]:
-        """Regular decoding of every prompt, ``batch_size`` at a time;
-        results in input order. Takes the keyword arguments of ``stream``."""
+        """Regular decoding of every prompt, ``batch_size`` at a time, as
+        ``options`` say; results in input order."""
         return _finished(
-            self.stream_batch(prompts, speculative=False, batch_size=batch_size, **kwargs)
+            self.stream_batch(prompts, speculative=False, batch_size=batch_size, **options)
         )
 
     def speculative_decode_batch(
-        self, prompts: Sequence[str | Sequence[int]], batch_size: int = 8, **kwargs
+        self, prompts: Sequence[str | Sequence[int]], batch_size: int = 8, **options
     ) -> list[GenerationResult]:
         """Speculative decoding of every prompt; same arguments as ``generate_batch``."""
         return _finished(
-            self.stream_batch(prompts, speculative=True, batch_size=batch_size, **kwargs)
+            self.stream_batch(prompts, speculative=True, batch_size=batch_size, **options)
         )
-
-
-# A list of prompts is decoded longest first within runs of this many batches'
-# worth (``longest_first``): on the benchmark pair's 32 prompts, whole calls
-# of regular decoding took 0.95x, 0.94x and 0.88x the time at B = 4, 8 and 16
-# (docs/benchmarks.md).
-SORT_WINDOW = 4
-
-
-def longest_first(prompts: list[list[int]], window: int) -> list[int]:
-    """The indices of ``prompts`` in the order a batch takes them: each run
-    of ``window`` prompts longest first (ties in input order), so that
-    prompts joining together need little padding, a batch's cross-attention
-    rarely widens for a longer prompt (a copy of every row), and its last
-    rounds decode short prompts rather than one long one over empty rows;
-    output order lags input order by at most a window."""
-    order = []
-    for start in range(0, len(prompts), window):
-        run = range(start, min(start + window, len(prompts)))
-        order += sorted(run, key=lambda i: -len(prompts[i]))
-    return order
-
-
-def iter_rounds(generator: BatchGenerator) -> Iterator[list[tuple[int, GenerationResult]]]:
-    """The events of every round of ``generator`` until nothing decodes or waits."""
-    while len(generator):
-        yield generator.next()
 
 
 def _last(results: Iterator[GenerationResult]) -> GenerationResult:

@@ -273,6 +273,13 @@ class Attention(nn.Module):
         """The heads' outputs [B, length, heads * d_kv], before ``out_proj``."""
         return side_by_side(self.attention(queries, keys, values, mask))
 
+    def attend(
+        self, queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array
+    ) -> mx.array:
+        """The attention's output [B, length, d_model]: the heads' outputs
+        through ``out_proj``."""
+        return self.out_proj(self.heads_side_by_side(queries, keys, values, mask))
+
 
 class SelfAttention(Attention):
     """Attention of a sequence over itself. Its queries, keys and values
@@ -284,6 +291,11 @@ class SelfAttention(Attention):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.qkv_proj = nn.Linear(args.d_model, 3 * args.num_heads * args.d_kv, bias=False)
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        """Every position of ``x`` [B, S, d_model] attending over all of
+        them, ``mask`` added to the scores: [B, S, d_model]."""
+        return self.attend(*self.queries_keys_values(self.qkv_proj(x)), mask)
 
     def queries_keys_values(self, stacked: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values from the output [B, length, 3 * heads *
@@ -363,6 +375,9 @@ def clamp_float16(x: mx.array) -> mx.array:
 
 
 class EncoderLayer(nn.Module):
+    """Self-attention over the prompt, then the feed-forward block, each
+    after a norm and added to its input."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.self_attn_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
@@ -370,13 +385,20 @@ class EncoderLayer(nn.Module):
         self.ff_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
         self.ff = FeedForward(args)
 
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        """The layer's output for ``x`` [B, S, d_model]; ``mask`` is added
+        to the attention scores (the position bias and each row's padding).
+        ``slices`` computes the same in slices."""
+        x = clamp_float16(x + self.self_attn(self.self_attn_norm(x), mask))
+        return clamp_float16(x + self.ff(self.ff_norm(x)))
+
     def slices(
         self, x: mx.array, blocks: list[tuple[int, int]], block_mask: BlockMaskFunction
     ) -> Slices[mx.array]:
-        """The layer's output for ``x`` [B, S, d_model], computed in slices
-        (see ``EncoderSlices``): its products over ``blocks`` of positions,
-        its attention over the same blocks of queries (``block_mask(start,
-        stop)`` their mask); yields after each slice, computed."""
+        """``__call__`` in slices, from the same pieces: the attention's
+        products over ``blocks`` of positions, then the rest over the same
+        blocks of queries (``block_mask(start, stop)`` their mask); yields
+        after each slice, computed."""
         stacked = []
         for start, stop in blocks:
             stacked.append(self.self_attn.qkv_proj(self.self_attn_norm(x[:, start:stop])))
@@ -384,10 +406,10 @@ class EncoderLayer(nn.Module):
         queries, keys, values = self.self_attn.queries_keys_values(mx.concatenate(stacked, 1))
         outputs = []
         for start, stop in blocks:
-            heads = self.self_attn.attention(
+            attended = self.self_attn.attend(
                 queries[:, :, start:stop], keys, values, block_mask(start, stop)
             )
-            y = clamp_float16(x[:, start:stop] + self.self_attn.out_proj(side_by_side(heads)))
+            y = clamp_float16(x[:, start:stop] + attended)
             outputs.append(clamp_float16(y + self.ff(self.ff_norm(y))))
             # One block's scores exist at a time.
             yield mx.eval(outputs[-1])

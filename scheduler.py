@@ -12,16 +12,12 @@ row and returns the rows' results.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import numpy as np
+from typing import TYPE_CHECKING, TypeVar
 
 # First: the fast BLAS on Linux must load before mlx (see model.py).
 import cpu  # noqa: F401  # isort: skip
@@ -29,15 +25,8 @@ import mlx.core as mx
 
 from cache import DecoderCache, compacted_rows
 from decoder import GenerationResult, RoundOutcome, speculative_round
-from drafting import (
-    Deliveries,
-    DraftLength,
-    HybridDrafter,
-    ModelDrafter,
-    RoundTimes,
-    acceptance_counts,
-    draft_start_cost,
-)
+from detokenizer import StreamingDetokenizer
+from drafting import Drafter, DraftLength
 from model import Slices, encoder_passes
 from sampling import SEEDS, RowSampling, Sampling, is_seed, row_key, split_keys
 
@@ -56,10 +45,9 @@ class Row:
     seed: int | None
     sequence: list[int] = dataclasses.field(default_factory=list)  # start token + generated
     result: GenerationResult | None = None  # set when the row joins the batch
+    detokenizer: StreamingDetokenizer | None = None  # its text; set as it joins
     key: mx.array | None = None  # its stream of random numbers, from the seed
     start: float = 0.0  # time.perf_counter() when its prompt processing began
-    # Its own draft tokens accepted and tested, per source and position (see DraftLength).
-    acceptance: dict[str, np.ndarray] = dataclasses.field(default_factory=acceptance_counts)
 
 
 GREEDY = Sampling()
@@ -128,6 +116,31 @@ class Encoding:
         return self.caches is not None
 
 
+# A list of prompts is decoded longest first within runs of this many
+# batches' worth (``longest_first``).
+SORT_WINDOW = 4
+
+
+def longest_first(prompts: list[list[int]], window: int) -> list[int]:
+    """The indices of ``prompts`` in the order a batch takes them: each run
+    of ``window`` prompts longest first (ties in input order), so that
+    prompts joining together need little padding, a batch's cross-attention
+    rarely widens for a longer prompt (a copy of every row), and its last
+    rounds decode short prompts rather than one long one over empty rows;
+    output order lags input order by at most a window."""
+    order = []
+    for start in range(0, len(prompts), window):
+        run = range(start, min(start + window, len(prompts)))
+        order += sorted(run, key=lambda i: -len(prompts[i]))
+    return order
+
+
+def iter_rounds(generator: BatchGenerator) -> Iterator[list[tuple[int, GenerationResult]]]:
+    """The events of every round of ``generator`` until nothing decodes or waits."""
+    while len(generator):
+        yield generator.next()
+
+
 class BatchGenerator:
     """Rows of one batch decoded together, one round (one main-model pass)
     per call of ``next``. Prompts ``insert``ed wait in a queue and take the
@@ -170,7 +183,7 @@ class BatchGenerator:
         self.freed: dict[int, int] = {}  # free place -> the round it was freed in
         self.rounds = 0  # rounds run
         self.main_cache: DecoderCache | None = None
-        self.drafter = None
+        self.drafter: Drafter | None = None
         self.draft_length: DraftLength | None = None
         self.uids = itertools.count()
 
@@ -244,7 +257,9 @@ class BatchGenerator:
         if not sampling.greedy:
             row_keys = mx.stack([row.key for row in rows])
             next_keys, verify_keys, draft_keys = split_keys(row_keys, 3)
-        budget = self._draft_budget(rows, live, limits)
+        budget = None
+        if self.drafter is not None and max(limits) > 0:
+            budget = self.draft_length.plan(rows, limits, self.drafter)
         # 3. The round.
         encoded_before = self.drafter.encoding_time if self.drafter is not None else 0.0
         outcome = speculative_round(
@@ -273,13 +288,9 @@ class BatchGenerator:
         end = time.perf_counter()
         round_seconds = end - tic
         if self.draft_length is not None:
-            self.draft_length.timed(outcome.draft, round_seconds - encoding_time)
-            delivered = sum(len(tokens) for tokens in outcome.new_tokens)
-            self.draft_length.delivered(
-                len(rows),
-                any(outcome.draft.lengths),
-                delivered,
-                end - round_start - shared_seconds,
+            delivered_seconds = end - round_start - shared_seconds
+            self.draft_length.observe(
+                rows, outcome, round_seconds - encoding_time, delivered_seconds
             )
         # Room for encoding at most one round's time at once.
         credit = self.encoding_credit + round_seconds * ENCODING_SHARE / (1 - ENCODING_SHARE)
@@ -295,29 +306,6 @@ class BatchGenerator:
         start = [self.decoder.model.args.decoder_start_token_id]
         free = Row(-1, [], 1, live[0].sampling, seed=None, sequence=start, key=GREEDY_KEY)
         return [row or free for row in self.rows]
-
-    def _draft_budget(
-        self, rows: list[Row], live: list[Row], limits: list[int]
-    ) -> Callable[[str], int] | None:
-        """How many tokens the round drafts from each source (``DraftLength.choose``),
-        or None for a plain step: nothing to draft with, no row with tokens
-        to spare, or drafting not allowed now."""
-        if self.drafter is None or max(limits) == 0:
-            return None
-        if not self.draft_length.allows_drafting(len(rows)):
-            # A plain step: to judge drafting by, or drafting was measured not
-            # to pay here, and then the draft model costs nothing meanwhile.
-            started = self._started_model_drafter()
-            if started is not None and self.draft_length.deliveries.vetoes(len(rows)):
-                started.suspend()
-            return None
-        drafting_rows = [row.acceptance for row, limit in zip(rows, limits) if limit > 0]
-        return functools.partial(
-            self.draft_length.choose,
-            batch_size=len(rows),
-            rows=drafting_rows,
-            start_cost=self._draft_start_cost(live, limits),
-        )
 
     def _deliver(
         self,
@@ -344,9 +332,6 @@ class BatchGenerator:
             result = row.result
             result.prompt_time += prompt_seconds
             if draft.lengths[i] > 0:
-                self.draft_length.update(
-                    draft.sources[i], accepted, accepted + int(rejected), row.acceptance
-                )
                 result.draft_lengths.append(draft.lengths[i])
                 result.n_lookup_rounds += draft.sources[i] == "lookup"
             result.n_steps += 1
@@ -356,55 +341,13 @@ class BatchGenerator:
             row.sequence += new_tokens
             result.tokens += new_tokens
             result.from_draft += [j < accepted for j in range(len(new_tokens))]
-            result.text = self.decoder.tokenizer.decode(result.tokens, skip_special_tokens=True)
             result.finished = outcome.ended[i] or len(result.tokens) >= row.max_tokens
+            result.text += row.detokenizer.add(new_tokens, last=result.finished)
             result.elapsed = time.perf_counter() - row.start
             events.append((row.uid, snapshot(result)))
             if result.finished:
                 self._free(i)
         return events
-
-    def _model_drafter(self) -> ModelDrafter | None:
-        """The drafter's draft model (a hybrid drafter's too), if any."""
-        drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
-        return drafter if isinstance(drafter, ModelDrafter) else None
-
-    def _started_model_drafter(self) -> ModelDrafter | None:
-        """The drafter's draft model, if started."""
-        drafter = self._model_drafter()
-        return drafter if drafter is not None and drafter.cache is not None else None
-
-    def _draft_start_cost(self, live: list[Row], limits: list[int]) -> float:
-        """What a lazy draft model that has not started would cost to start
-        (``draft_start_cost``): its encoding of the rows' prompts, then a
-        pass that catches its cache up on every token the rows generated so
-        far, estimated from the main model's prompt time per multiply-add
-        and the draft model's ``prompt_work`` and ``decode_work``; over the
-        tokens the rows have left, in plain steps over the fewest rows at
-        least as many as the batch's that a plain step was timed or
-        calibrated over. 0 once started, or with none."""
-        if self.decoder.draft_model is None or self._started_model_drafter():
-            return 0.0
-        decoder = self.decoder
-        timed = self.draft_length.times.seconds
-        timed_plain = {rows for rows, rounds in timed.items() if ("plain", 0) in rounds}
-        known = [n for n in timed_plain | decoder.plain_step_seconds.keys() if n >= len(self.rows)]
-        if not known:
-            return 0.0
-        rows = min(known)
-        if rows in timed_plain:  # the loop's own timings before the calibration's
-            plain = statistics.median(timed[rows]["plain", 0])
-        else:
-            plain = decoder.plain_step_seconds[rows]
-        prompt_tokens = sum(row.result.prompt_tokens for row in live)
-        prompt_seconds = sum(row.result.prompt_time for row in live)
-        seconds_per_work = prompt_seconds / (decoder.model.args.prompt_work * prompt_tokens)
-        draft_args = decoder.draft_model.args
-        # The catch-up pass is padded to the longest row's tokens.
-        catch_up = len(live) * max(len(row.sequence) for row in live)
-        work = draft_args.prompt_work * prompt_tokens + draft_args.decode_work * catch_up
-        tokens_left = sum(limit + 1 for limit in limits if limit > 0)
-        return draft_start_cost(seconds_per_work * work, tokens_left, plain, len(live))
 
     def _free(self, place: int) -> None:
         """Free ``place`` for a waiting prompt; it leaves the caches when
@@ -504,9 +447,8 @@ class BatchGenerator:
         if not self.speculative or draft_model is None:
             return cache, None
         # A lazy drafter encodes nothing before it has started.
-        drafter = self._model_drafter()
-        if (drafter is None and self.decoder.lazy_drafting) or (
-            drafter is not None and drafter.cache is None
+        if (self.drafter is None and self.decoder.lazy_drafting) or (
+            self.drafter is not None and self.drafter.start_pending
         ):
             return cache, None
         draft_on_layer = None if self.decoder.lazy_drafting else on_layer
@@ -534,10 +476,18 @@ class BatchGenerator:
                 self.drafter.admit(places, prompts, draft_cache)
         prompt_time = encoding.seconds / len(joining)
         calibration_time = 0.0
-        if self.draft_length is None:
+        if self.draft_length is None and self.speculative:
             # The first rows: those of every pass that began with these, in the order they came.
-            first = joining + [row for other in self.encodings for row in other.rows]
-            calibration_time = self._calibrate(sorted(first, key=lambda row: row.uid))
+            first = sorted(
+                joining + [row for other in self.encodings for row in other.rows],
+                key=lambda row: row.uid,
+            )
+            self.draft_length = self.decoder.draft_length(
+                [row.prompt_ids for row in first],
+                first[0].sampling,
+                self.cost_batch_size or len(first),
+            )
+            calibration_time = self.draft_length.calibration_seconds
         for place, row in zip(places, joining):
             row.sequence = [self.decoder.model.args.decoder_start_token_id]
             row.key = row_key(row.seed) if not row.sampling.greedy else GREEDY_KEY
@@ -547,6 +497,7 @@ class BatchGenerator:
                 prompt_time=prompt_time,
                 calibration_time=calibration_time,
             )
+            row.detokenizer = StreamingDetokenizer(self.decoder.tokenizer, self.decoder.byte_ids)
             self.rows[place] = row
         # Cancelled while encoding; another row of the pass is live.
         for place, row in zip(places, joining):
@@ -572,42 +523,59 @@ class BatchGenerator:
 
         return on_layer
 
-    def _calibrate(self, joining: list[Row]) -> float:
-        """Set up the draft length rule for the generator's first rows; the
-        seconds "auto" spent measuring its costs."""
-        if not self.speculative:
-            return 0.0
-        decoder = self.decoder
-        batch_size = self.cost_batch_size or len(joining)
-        costs, tic = {}, time.perf_counter()
-        if decoder.num_draft == "auto":
-            costs = decoder.measure_costs(joining[0].prompt_ids, batch_size)
-        # Acceptance depends on the pair, how lookup matches, sampling and delta;
-        # round times on the pair, how lookup matches and whether rows sample.
-        drafting = decoder.drafting, decoder.prompt_lookup, id(decoder.draft_model)
-        sampling = joining[0].sampling
-        earlier = decoder.acceptance.setdefault(
-            (*drafting, sampling, decoder.delta), acceptance_counts()
-        )
-        times = decoder.round_times.setdefault((*drafting, sampling.greedy), RoundTimes())
-        # What choices deliver depends on acceptance and round times alike.
-        deliveries = decoder.deliveries.setdefault(
-            (*drafting, sampling, decoder.delta), Deliveries()
-        )
-        self.draft_length = DraftLength(decoder.num_draft, costs, earlier, times, deliveries)
-        return time.perf_counter() - tic if decoder.num_draft == "auto" else 0.0
-
 
 # Greedy rows draw nothing; a batch that samples in other rows splits this
 # key for them too, and never uses what it gives.
 GREEDY_KEY = mx.random.key(0)
 
 
+T = TypeVar("T")
+
+
+class Prefix(Sequence[T]):
+    """The items that ``items``, a list that only grows, holds now: a
+    snapshot of it that copies nothing. Read-only; equal to a list of the
+    same items."""
+
+    __slots__ = ("items", "length")
+
+    def __init__(self, items: list[T]):
+        self.items = items
+        self.length = len(items)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int | slice):
+        if isinstance(index, slice):
+            return [self.items[i] for i in range(*index.indices(self.length))]
+        if not -self.length <= index < self.length:
+            raise IndexError("Prefix index out of range")
+        return self.items[index % self.length]
+
+    def __iter__(self) -> Iterator[T]:
+        return itertools.islice(self.items, self.length)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, (list, Prefix)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # equal to a list, which has none
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 def snapshot(result: GenerationResult) -> GenerationResult:
-    """A copy of ``result`` that later rounds do not change."""
+    """``result`` as later rounds leave it: its lists only grow, so views of
+    them as they stand now (``Prefix``), not copies, which would make a
+    round's time grow with the output; a finished result, itself."""
+    if result.finished:
+        return result
     return dataclasses.replace(
         result,
-        tokens=list(result.tokens),
-        from_draft=list(result.from_draft),
-        draft_lengths=list(result.draft_lengths),
+        tokens=Prefix(result.tokens),
+        from_draft=Prefix(result.from_draft),
+        draft_lengths=Prefix(result.draft_lengths),
     )

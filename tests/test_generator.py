@@ -38,9 +38,18 @@ def drain(generator) -> dict[int, object]:
     return last
 
 
+def as_lists(result) -> tuple:
+    """What a result holds, copied."""
+    return list(result.tokens), list(result.from_draft), list(result.draft_lengths), result.text
+
+
 def test_events_are_snapshots(decoding_pair):
     decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
-    events = list(decoder.stream_batch(PROMPTS[:3], batch_size=2, max_tokens=4))
+    events, as_yielded = [], []
+    for index, result in decoder.stream_batch(PROMPTS[:3], batch_size=2, max_tokens=4):
+        events.append((index, result))
+        as_yielded.append(as_lists(result))
+    assert [as_lists(result) for _, result in events] == as_yielded
     assert sum(result.finished for _, result in events) == 3
     for index in range(3):
         lengths = [len(r.tokens) for i, r in events if i == index]
@@ -226,7 +235,9 @@ def test_auto_counts_its_draft_models_encoding_as_prompt_time_not_as_the_rounds(
     model, draft_model, tokenizer = decoding_pair
     delay = 0.5
     decoder = SpeculativeDecoder(model, SlowPrompts(draft_model, delay), tokenizer, "auto")
-    decoder.measure_costs = lambda prompt_ids, batch_size=1: auto_costs(0.1)  # drafting pays
+    decoder.auto.measure_costs = lambda decoder, prompt_ids, batch_size=1: auto_costs(
+        0.1
+    )  # drafting pays
     unjudged(decoder)  # from the first round
     generator = decoder.batch_generator(max_batch_size=2)
     for prompt in PROMPTS[:2]:
@@ -234,7 +245,7 @@ def test_auto_counts_its_draft_models_encoding_as_prompt_time_not_as_the_rounds(
     events = generator.next()
     assert all(result.n_draft > 0 for _, result in events)  # the first round drafted
     assert all(result.prompt_time > delay / 2 for _, result in events)
-    (times,) = decoder.round_times.values()
+    (times,) = decoder.auto.round_times.values()
     ((kind, seconds),) = times.seconds[2].items()
     assert kind[0] == "model" and len(seconds) == 1 and seconds[0] < delay
 

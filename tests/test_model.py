@@ -278,8 +278,7 @@ def test_float16_stays_finite_where_activations_overflow(converted, monkeypatch)
     # In float32 the fixture's residual stream really leaves float16's range.
     hidden = reference.shared(inputs)
     layer_mask = reference.encoder.position_bias(mx.arange(12)[None], 12)
-    layer = reference.encoder.layers[0].slices(hidden, [(0, 12)], lambda start, stop: layer_mask)
-    hidden = model_module.run_to_end(layer)
+    hidden = reference.encoder.layers[0](hidden, layer_mask)
     assert mx.abs(hidden).max().item() > float(mx.finfo(mx.float16).max)
 
     half = load_model(converted("overflowing", dtype="float16"))
@@ -336,3 +335,27 @@ def test_encoding_slice_by_slice_is_the_whole_encoding(converted, monkeypatch):
         for array, reference in ((keys, whole_keys), (values, whole_values)):
             scale = float(mx.abs(reference).max())
             assert float(mx.abs(array - reference).max()) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("block", [None, 7], ids=["one block", "blocks of 7"])
+def test_the_sliced_encoder_is_the_layers_plain_equations(block, converted, monkeypatch):
+    """``encode`` (each layer's ``slices``) equals the layers called plainly
+    (``EncoderLayer.__call__``: T5's equations over every position at once),
+    on a padded batch, in one block and in blocks of 7 queries (the last
+    shorter), within float32 round-off of other product shapes."""
+    model = load_model(converted("gated_untied"))
+    inputs = mx.array(random_ids((2, 30), model.args.vocab_size, seed=22))
+    mask = mx.arange(30) < mx.array([[30], [19]])
+    if block is not None:
+        projection, feed_forward = model.args._layer_work
+        work = 2 * block * (4 * projection + feed_forward)
+        monkeypatch.setattr(model_module, "ENCODER_SLICE_WORK", work)
+    sliced = model.encode(inputs, mask)
+    x = model.embed(inputs)
+    bias = model.encoder.position_bias(mx.arange(30)[None], 30)
+    layer_mask = bias + model_module.padding_mask(mask, x.dtype)
+    for layer in model.encoder.layers:
+        x = layer(x, layer_mask)
+    plain = model.encoder.norm(x)
+    scale = float(mx.abs(plain).max())
+    assert float(mx.abs(sliced - plain).max()) <= 1e-5 * scale
