@@ -7,19 +7,17 @@ or ``HybridDrafter`` (lookup where it matches, the model elsewhere). A
 lookup draft is a point mass: its proposal distribution q is one-hot, so
 ``decoder.verify`` needs no rule of its own for it.
 
-``DraftLength`` says how many tokens to propose: a fixed number, or for
-``"auto"`` the number with the most expected tokens per unit of time, from
-the measured cost of a round drafting each number of tokens at the batch's
-size and the acceptance measured so far.
+Every drafter is a ``Drafter``. A ``DraftLength`` says how many tokens a
+round drafts: ``FixedDraftLength``, or ``auto.AutoDraftLength`` for
+``--num-draft auto``.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -29,72 +27,7 @@ import mlx.core as mx
 
 from cache import DecoderCache
 from model import T5
-from sampling import RowSampling, Sampling, split_keys
-
-# The most draft tokens "auto" proposes per round.
-MAX_AUTO_DRAFT = 16
-# Every this many rounds "auto" drafts one token more than it judges best,
-# or in turn (when it drafts) none: so that it keeps testing the position
-# past its choice, and timing plain rounds (see DraftLength).
-PROBE_EVERY = 8
-# A probe drafts one token more only where a longer draft would pay were
-# the next this many tokens tested at each position all accepted; where
-# even that would not pay, only every HOPELESS_PROBE_EVERY rounds (a
-# multiple of 2 * PROBE_EVERY): often enough to notice costs or acceptance
-# that changed, too rarely to cost much.
-PROBE_OPTIMISM = 4
-HOPELESS_PROBE_EVERY = 64
-# While it drafts, every this many rounds (a multiple of 2 * PROBE_EVERY)
-# the probe is a plain step instead, so that plain rounds stay timed. Where
-# drafting pays, each costs what it does not deliver: every 16 rounds, auto
-# made 0.92x the better of regular decoding and fixed g at B = 4 of the
-# benchmark pair, every 64 1.01x (in the same runs; 0.92x and 0.94x at
-# B = 8 of other prompts, where drafting does not pay).
-PLAIN_PROBE_EVERY = 8 * PROBE_EVERY
-# "auto" weighs the median time of the last this many rounds of each length.
-TIMED_ROUNDS = 9
-# Before a generation's first tested draft token at a given position, "auto"
-# assumes this acceptance rate there, weighted as this many tested tokens.
-PRIOR_ACCEPTANCE = 0.75
-PRIOR_WEIGHT = 4
-# Rounds timed over more rows stand in for the batch's own only up to this
-# factor of it, and over fewer rows never: a round's cost relative to a plain
-# step grows with the rows (at g = 1 on the benchmark pair, 1.5 at 8 rows,
-# 2.0 at 32), so that fewer rows' timings understate it. A batch of 32 that
-# took 8 rows' timings drafted where it did not pay; one whose rows had
-# dropped to 24 took 16 rows' timings and started drafting in its last
-# rounds, where regular decoding's steps were 23-38 ms and its own 50-67.
-NEAREST_ROWS_RATIO = 1.5
-# "auto" judges its choices by the tokens they deliver (``Deliveries``): per
-# bucket of batch sizes (``rows_bucket``), the seconds and tokens of the last
-# JUDGED_WINDOW rounds that drafted and of those that did not. A bucket is
-# judged once JUDGED_ROUNDS rounds drafted, and a trial of drafting where it
-# lost is that many rounds: fewer weighed the draft model's start too much
-# (at one row of the benchmark pair, the first of 4 drafted rounds took
-# 40-48 ms where the others took 25-38 and a plain step 20).
-JUDGED_ROUNDS = 8
-JUDGED_WINDOW = 32
-# Drafting is vetoed where its seconds per token exceed plain steps' by more
-# than this many standard errors of the difference. A drafted round's tokens
-# vary from 1 to g + 1, so that at one row of the benchmark pair 8 rounds'
-# mean varied by about a quarter: judged by the means alone, drafting that
-# made 1.4x regular decoding's tokens/s was vetoed and taken up again in
-# turn, and auto made 0.77x the best fixed g. One, not two: where drafting
-# pays much, as there, its mean is many errors ahead either way, and where
-# it is close a wrong veto costs little; with two, auto kept drafting at 8
-# rows where it lost 7% to plain steps (0.94x regular decoding, against
-# 0.96x with one, in the same runs; 0.96x and 0.98x on other prompts).
-VETO_ERRORS = 1.0
-# Plain steps first in a bucket not yet judged, to judge drafting against.
-PLAIN_FIRST = 4
-# Where drafting lost, the plain time to run before the next trial is what
-# the last one lost over this share: trials cost at most this share of the
-# time where drafting never pays (the issue's bound: 3%).
-EXPLORATION_SHARE = 0.02
-DRAFT_SOURCES = ("model", "lookup")
-# After a drafted round the draft model's cache lacks at most this many of
-# a row's tokens: the last draft token and the main model's own.
-STEADY_CATCH_UP = 2
+from sampling import RowSampling, split_keys
 
 
 @dataclass
@@ -115,6 +48,75 @@ class Draft:
         return cls(
             mx.zeros((batch_size, 0), mx.int32), None, [0] * batch_size, ["none"] * batch_size
         )
+
+
+class Drafter(Protocol):
+    """What the loop asks of a source of draft tokens for a batch's rows."""
+
+    # Seconds its proposals spent encoding the rows' prompts (a lazy draft model's).
+    encoding_time: float
+
+    def propose(
+        self,
+        sequences: list[list[int]],
+        sampling: RowSampling,
+        budget: Callable[[str], int],
+        limits: list[int],
+        keys: mx.array | None = None,
+    ) -> Draft | None:
+        """Up to ``budget(source)`` tokens for each row of ``sequences`` (its
+        start token and tokens so far), at most ``limits[i]`` for row i;
+        None when no row gets any."""
+
+    def admit(
+        self, rows: list[int], prompts: list[list[int]], cache: DecoderCache | None = None
+    ) -> None:
+        """Give ``rows`` (restarted, or added past the batch) ``prompts``,
+        with the draft model's ``cache`` of them where encoded already."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only ``rows``, in that order."""
+
+    @property
+    def start_pending(self) -> bool:
+        """Whether a lazy draft model has yet to encode the rows' prompts (see
+        ``ModelDrafter``): it neither drafts nor encodes joining prompts until then."""
+
+    def suspend(self) -> None:
+        """Drop a lazy draft model's cache, if any, until the next proposal:
+        meanwhile it costs nothing."""
+
+
+class DraftLength(Protocol):
+    """How many tokens the rounds of a batch draft: asked before every round
+    (``plan``), told what the round gave (``observe``). ``FixedDraftLength``
+    and ``auto.AutoDraftLength``."""
+
+    calibration_seconds: float  # spent measuring before the batch's first round
+
+    def plan(self, rows: list, limits: list[int], drafter: Drafter) -> Callable[[str], int] | None:
+        """The draft tokens per row of the next round over ``rows`` (at most
+        ``limits[i]`` for row i), as a function of the draft source; None
+        for a plain step."""
+
+    def observe(self, rows: list, outcome, round_seconds: float, delivered_seconds: float) -> None:
+        """What the round over ``rows`` gave (``decoder.RoundOutcome``), the
+        seconds from its drafting to its results, and all the seconds the
+        loop waited for its tokens."""
+
+
+@dataclass
+class FixedDraftLength:
+    """``num_draft`` draft tokens every round."""
+
+    num_draft: int
+    calibration_seconds: float = 0.0
+
+    def plan(self, rows: list, limits: list[int], drafter: Drafter) -> Callable[[str], int]:
+        return lambda source: self.num_draft
+
+    def observe(self, rows: list, outcome, round_seconds: float, delivered_seconds: float) -> None:
+        pass
 
 
 def trim_to(cache: DecoderCache, sequences: list[list[int]]) -> list[list[int]]:
@@ -192,12 +194,16 @@ class ModelDrafter:
         if self.cache is not None:
             self.cache.keep_rows(rows)
 
+    @property
+    def start_pending(self) -> bool:
+        return self.cache is None
+
     def suspend(self) -> None:
         """Drop the draft cache (lazy only): until the next proposal, which
         encodes the rows' prompts again and catches up on their tokens, the
         draft model costs nothing, not even for prompts that join."""
-        assert self.lazy, "only a lazy drafter re-encodes its prompts"
-        self.cache = None
+        if self.lazy:
+            self.cache = None
 
     def propose(
         self,
@@ -258,79 +264,6 @@ def mask_past_lengths(draft: Draft) -> Draft:
     return draft
 
 
-# Token counts per row at which ``pass_times`` times a pass. A pass's time
-# grows smoothly with its width, linearly once the products are wide: it is
-# interpolated in between and extrapolated past the last (timing every width
-# up to 17 took 12 s at 32 rows of the benchmark pair).
-TIMED_PASS_LENGTHS = (1, 2, 3, 4, 6, 9)
-
-
-def pass_times(
-    model: T5,
-    encoder_output: mx.array,
-    max_length: int,
-    batch_size: int = 1,
-    drafter: ModelDrafter | None = None,
-    repeats: int = 3,
-) -> list[float]:
-    """Median seconds of one decoder pass of ``model`` over ``batch_size``
-    rows of 1 .. ``max_length`` tokens, after one cached token: timed at the
-    ``TIMED_PASS_LENGTHS`` up to ``max_length``, in rounds so that drift hits
-    every length, and interpolated (past the last, extrapolated) from them.
-
-    With a ``drafter`` (for the same rows), each pass over n tokens is timed
-    as a round runs it: the drafter proposes the n - 1 tokens the pass takes
-    after the cached one (none for n = 1, a plain step).
-
-    Passes over more tokens are timed on rows that end at different
-    columns, as rows that accept different numbers of draft tokens do: their
-    cache writes are a scatter (at 32 rows of the benchmark pair a plain
-    pass took 51.0 ms so against 47.1). A plain step is timed on even rows,
-    as regular decoding takes it."""
-    lengths = [n for n in TIMED_PASS_LENGTHS if n <= max_length]
-    start = mx.full((batch_size, 1), model.args.decoder_start_token_id)
-
-    def cache_after(tokens: int) -> DecoderCache:
-        cache = model.make_cache(mx.repeat(encoder_output, batch_size, axis=0))
-        mx.eval(model.decode(mx.repeat(start, tokens, axis=1), cache))
-        return cache
-
-    even, uneven = cache_after(1), cache_after(2)
-    uneven.trim([row % 2 for row in range(batch_size)])
-    greedy = RowSampling([Sampling()] * batch_size)
-    sequences = [[model.args.decoder_start_token_id]] * batch_size
-
-    def pass_inputs(length: int) -> mx.array:
-        if drafter is None or length == 1:
-            return mx.repeat(start, length, axis=1)
-        draft = drafter.propose(
-            sequences, greedy, lambda source: length - 1, [length - 1] * batch_size
-        )
-        return mx.concatenate([start, draft.tokens], axis=1)
-
-    times = [[] for _ in lengths]
-    for _ in range(repeats):
-        for i, length in enumerate(lengths):
-            cache = even if length == 1 else uneven
-            tic = time.perf_counter()
-            mx.eval(model.decode(pass_inputs(length), cache))
-            times[i].append(time.perf_counter() - tic)
-            cache.trim(length)
-    return piecewise_linear(lengths, [statistics.median(t) for t in times], max_length)
-
-
-def piecewise_linear(lengths: list[int], values: list[float], max_length: int) -> list[float]:
-    """Values at 1 .. ``max_length`` of the line through (``lengths[i]``,
-    ``values[i]``), extended past the last point along the last segment."""
-    widths = np.arange(1, max_length + 1)
-    result = np.interp(widths, lengths, values)
-    if len(lengths) > 1:
-        slope = (values[-1] - values[-2]) / (lengths[-1] - lengths[-2])
-        past = widths > lengths[-1]
-        result[past] = values[-1] + slope * (widths[past] - lengths[-1])
-    return result.tolist()
-
-
 def find_continuation(tokens: list[int], max_ngram: int, min_ngram: int = 1) -> list[int]:
     """The tokens that followed the latest earlier occurrence of the longest
     n-gram (``max_ngram`` down to ``min_ngram``) that ends ``tokens``; empty
@@ -353,6 +286,7 @@ class PromptLookupDrafter:
 
     source = "lookup"
     encoding_time = 0.0  # it encodes nothing
+    start_pending = False  # it has no model to start
 
     def __init__(
         self, prompts: list[list[int]], vocab_size: int, max_ngram: int, min_ngram: int = 1
@@ -372,6 +306,9 @@ class PromptLookupDrafter:
 
     def keep_rows(self, rows: list[int]) -> None:
         self.prompts = [self.prompts[row] for row in rows]
+
+    def suspend(self) -> None:
+        pass
 
     def propose(
         self,
@@ -429,6 +366,13 @@ class HybridDrafter:
         self.lookup.keep_rows(rows)
         self.model.keep_rows(rows)
 
+    @property
+    def start_pending(self) -> bool:
+        return self.model.start_pending
+
+    def suspend(self) -> None:
+        self.model.suspend()
+
     def propose(
         self,
         sequences: list[list[int]],
@@ -446,6 +390,27 @@ class HybridDrafter:
         use_lookup = [n > 0 for n in looked_up.lengths]
         self.model.withdraw(use_lookup)
         return merge_drafts(looked_up, modelled, use_lookup)
+
+
+def make_drafter(
+    draft_model: T5 | None,
+    prompt_lookup: int,
+    vocab_size: int,
+    prompts: list[list[int]],
+    lazy: bool = False,
+    cache: DecoderCache | None = None,
+) -> Drafter:
+    """The drafter for a batch of ``prompts``: the draft model (``lazy`` or
+    not, its ``cache`` of the prompts where encoded already), prompt lookup
+    of n-grams up to ``prompt_lookup`` tokens (0: none), or both."""
+    if draft_model is None:
+        return PromptLookupDrafter(prompts, vocab_size, prompt_lookup)
+    model_drafter = ModelDrafter(draft_model, prompts, lazy, cache)
+    if not prompt_lookup:
+        return model_drafter
+    # Single-token matches are weak; the draft model does better there.
+    lookup = PromptLookupDrafter(prompts, vocab_size, prompt_lookup, min(2, prompt_lookup))
+    return HybridDrafter(lookup, model_drafter)
 
 
 def merge_drafts(first: Draft, second: Draft, use_first: list[bool]) -> Draft:
@@ -467,394 +432,3 @@ def merge_drafts(first: Draft, second: Draft, use_first: list[bool]) -> Draft:
         [a if use else b for a, b, use in zip(first.sources, second.sources, use_first)],
         max(first.caught_up, second.caught_up),
     )
-
-
-def expected_tokens_per_round(alpha: float, num_draft: int) -> float:
-    """Leviathan et al., eq. 1: the expected tokens a round of ``num_draft``
-    draft tokens yields when each is accepted with probability ``alpha``,
-    ``(1 - alpha^(g+1)) / (1 - alpha)``."""
-    if alpha >= 1:
-        return num_draft + 1
-    return (1 - alpha ** (num_draft + 1)) / (1 - alpha)
-
-
-def best_num_draft(
-    acceptance: np.ndarray, round_costs: list[float], start_cost: float = 0.0
-) -> int:
-    """The g in 0 .. len(round_costs) - 1 with the most expected tokens per
-    unit of time. ``acceptance[i]`` is the probability that draft token i + 1
-    is accepted once the tokens before it were, so a round of g yields
-    ``1 + a_1 + a_1 a_2 + ... + a_1 ... a_g`` tokens (eq. 1 when every a_i is
-    the same alpha); with one such row of rates per row of a batch, the
-    batch's mean. The round costs ``round_costs[g]``: the time of a round
-    that drafts g tokens and verifies them in a main pass over g + 1,
-    relative to a plain main-model step (``round_costs[0] == 1``). g = 0 is
-    that plain step, one token per pass: the choice when drafting does not
-    pay. ``start_cost``: plain steps per token that drafting costs besides
-    its rounds (starting the draft model, see ``DraftLength.choose``)."""
-    rates = np.atleast_2d(acceptance)[:, : len(round_costs) - 1]
-    reach = np.cumprod(rates, axis=1)  # a_1 ... a_i
-    # Index g: the tokens a round of g draft tokens yields, per row.
-    tokens = 1 + np.concatenate([np.zeros((len(rates), 1)), np.cumsum(reach, axis=1)], axis=1)
-    per_round = tokens.mean(axis=0)
-    costs = [cost + (start_cost * per_round[g] if g else 0.0) for g, cost in enumerate(round_costs)]
-    return max(range(len(round_costs)), key=lambda g: per_round[g] / costs[g])
-
-
-def draft_start_cost(
-    start_seconds: float, tokens_left: int, plain_seconds: float, rows: int
-) -> float:
-    """What starting a lazy draft model costs, in plain steps per token:
-    ``start_seconds`` to encode its rows' prompts and catch its cache up on
-    their tokens so far, spread over the ``tokens_left`` that ``rows`` rows
-    may still generate, a plain step over them taking ``plain_seconds``.
-    Drafting must beat a plain step by that much to pay for it: on the
-    benchmark pair at 16 and 32 rows a drafted round's tokens are worth
-    about what it costs: the draft model's encoding lost auto 3-5% of a
-    call there, and a start late in a batch a catch-up pass besides."""
-    return start_seconds / tokens_left / (plain_seconds / rows)
-
-
-def acceptance_counts() -> dict[str, np.ndarray]:
-    """For each draft source, zero [accepted, tested] counts per draft position."""
-    return {source: np.zeros((2, MAX_AUTO_DRAFT)) for source in DRAFT_SOURCES}
-
-
-def round_source(draft: Draft) -> str:
-    """The kind of round that drafted ``draft``: "plain" when no row drafted,
-    "model" when any row drafted from the model (its draft steps cost the
-    round most), else "lookup"."""
-    sources = {source for source, length in zip(draft.sources, draft.lengths) if length}
-    if not sources:
-        return "plain"
-    return "model" if "model" in sources else "lookup"
-
-
-class RoundTimes:
-    """The seconds that rounds of each draft source, draft length and number
-    of rows took, as the loop ran them: the last ``TIMED_ROUNDS`` of each.
-    They correct what the calibration (``pass_times``) measured: a few
-    rounds on rows of one prompt, which is noisy and leaves out what rounds
-    of real rows pay besides. Rounds compare only at the same number of
-    rows: a batch whose prompts are finishing runs faster with every row it
-    drops. Rows that no plain and drafted rounds were both timed over (a
-    batch's last rounds, as its prompts finish) take the timings of the
-    fewest more rows, up to ``NEAREST_ROWS_RATIO`` times their number."""
-
-    def __init__(self):
-        # Per number of rows, per (source or "plain", draft length): seconds.
-        self.seconds: dict[int, dict[tuple[str, int], deque[float]]] = {}
-
-    def record(self, source: str, num_draft: int, batch_size: int, seconds: float) -> None:
-        """A round over ``batch_size`` rows drafting up to ``num_draft`` tokens
-        per row from ``source`` (``round_source``) took ``seconds``."""
-        kind = ("plain", 0) if source == "plain" else (source, num_draft)
-        rounds = self.seconds.setdefault(batch_size, {})
-        rounds.setdefault(kind, deque(maxlen=TIMED_ROUNDS)).append(seconds)
-
-    def costs(self, source: str, calibrated: list[float], batch_size: int) -> list[float]:
-        """``calibrated`` round costs of ``source`` (see ``best_num_draft``)
-        corrected by the rounds timed over ``batch_size`` rows, or the
-        fewest more rows (up to ``NEAREST_ROWS_RATIO`` times as many) that
-        both plain and drafted rounds were timed over: what each length
-        costs over a plain step, as calibrated, times one factor, the least
-        squares fit (weighted by rounds timed) to the timed lengths' median
-        over that of plain rounds. One factor, not each length's own median:
-        a length timed over a few rounds is noisy, and at one row of the
-        benchmark pair such medians (g = 3 at 1.81 plain steps, g = 2 at
-        1.86) steered auto to g = 1 where g = 3 made 1.4x regular decoding.
-        Calibrated as they are until both were timed."""
-        timed = [
-            rows
-            for rows, rounds in self.seconds.items()
-            if ("plain", 0) in rounds
-            and any(kind[0] == source for kind in rounds)
-            and batch_size <= rows <= NEAREST_ROWS_RATIO * batch_size
-        ]
-        if not timed:
-            return calibrated
-        rounds = self.seconds[min(timed)]
-        plain = statistics.median(rounds["plain", 0])
-        measured = {
-            num_draft: statistics.median(times) / plain
-            for (kind, num_draft), times in rounds.items()
-            if kind == source
-        }
-        weights = np.array([len(rounds[source, num_draft]) for num_draft in measured])
-        extra_measured = np.array(list(measured.values())) - 1
-        extra_calibrated = np.array([calibrated[num_draft] for num_draft in measured]) - 1
-        denominator = np.sum(weights * extra_calibrated**2)
-        if denominator <= 0:
-            return calibrated
-        scale = np.sum(weights * extra_measured * extra_calibrated) / denominator
-        return [1.0 + scale * (cost - 1) for cost in calibrated]
-
-
-def rows_bucket(batch_size: int) -> int:
-    """The bucket of batch sizes whose rounds ``Deliveries`` compares:
-    ceil(2 log2(rows)), half an octave wide with a power of two at its top
-    (1; 2; 3-4; 5; 6-8; 9-11; 12-16; 17-22; 23-32; ...), so that a batch of
-    B whose rows finish is judged at B's size until it has dropped to 0.7 B."""
-    return int(np.ceil(2 * np.log2(batch_size)))
-
-
-def seconds_per_token(rounds: deque[tuple[float, int]]) -> tuple[float, float]:
-    """Seconds per delivered token over ``rounds`` of (seconds, tokens), and
-    its standard error (a ratio of sums: from the spread of each round's
-    seconds less the ratio times its tokens)."""
-    if not rounds:
-        return 0.0, 0.0
-    seconds, tokens = np.array(rounds, dtype=float).T
-    ratio = seconds.sum() / max(tokens.sum(), 1)
-    if len(rounds) < 2:
-        return ratio, 0.0
-    residuals = seconds - ratio * tokens
-    variance = len(rounds) * np.sum(residuals**2) / (len(rounds) - 1)
-    return ratio, float(np.sqrt(variance) / max(tokens.sum(), 1))
-
-
-@dataclass
-class Verdict:
-    """What the rounds over one bucket of batch sizes delivered, and whether
-    drafting there is vetoed: see ``Deliveries``."""
-
-    # (seconds, tokens) of the last JUDGED_WINDOW rounds that drafted nothing, and that drafted.
-    plain: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=JUDGED_WINDOW))
-    drafted: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=JUDGED_WINDOW))
-    vetoed: bool = False
-    trial: int = 0  # drafted rounds left of a trial of drafting, while vetoed
-    wait: float = 0.0  # plain seconds to run before the next trial, while vetoed
-    # Seconds and tokens of the drafted rounds since the last trial began (or the first).
-    explored: tuple[float, int] = (0.0, 0)
-
-    def judge(self) -> None:
-        """Veto drafting if its rounds delivered fewer tokens per second than
-        plain ones, by more than VETO_ERRORS standard errors (once both
-        were measured), and then wait, before the next trial, for plain
-        rounds of the time the rounds drafted since the last trial began
-        lost over EXPLORATION_SHARE."""
-        if len(self.plain) < PLAIN_FIRST or len(self.drafted) < JUDGED_ROUNDS:
-            return
-        plain, plain_error = seconds_per_token(self.plain)
-        drafted, drafted_error = seconds_per_token(self.drafted)
-        self.vetoed = drafted - plain > VETO_ERRORS * np.hypot(plain_error, drafted_error)
-        if self.vetoed:
-            seconds, tokens = self.explored
-            self.wait = (seconds - tokens * plain) / EXPLORATION_SHARE
-            self.explored = (0.0, 0)
-
-
-class Deliveries:
-    """auto's choices judged by what they deliver: the wall-clock seconds
-    per token delivered of the loop's rounds that drafted against those
-    that did not, at the batch's size (``rows_bucket``). A round's seconds
-    are all that the loop waits for from the round's start to its tokens
-    (the draft model's encoding of the rows' prompts when it starts, and its
-    catch-up passes, included), so the same on a backend that computes
-    lazily (MLX on a GPU) as on one whose passes end when they return; only
-    what every mode pays about alike is left out (the encoding of joining
-    prompts, the main model's and, once it has started, the draft model's,
-    which is a small share of it; and auto's calibration).
-
-    A bucket not yet judged first takes PLAIN_FIRST plain steps, so that
-    drafting is judged against plain steps of the same rows; then the cost
-    model (``DraftLength.choose``) decides, and once JUDGED_ROUNDS rounds
-    drafted, every round is judged by the last JUDGED_WINDOW of each kind:
-    where drafted rounds delivered fewer tokens per second than plain ones,
-    by more than VETO_ERRORS standard errors of the difference (a drafted
-    round's tokens vary with its acceptance), drafting is vetoed (the draft
-    model dropped: see ``ModelDrafter.suspend``). Conditions change
-    (acceptance, rows, the machine's load), so a vetoed bucket tries
-    drafting again, after plain rounds that ran the time the last trial
-    lost over EXPLORATION_SHARE, for JUDGED_ROUNDS drafted rounds (the cost
-    model may choose plain steps meanwhile), judged on their own; kept up
-    if they do not lose, vetoed again if they do."""
-
-    def __init__(self):
-        self.verdicts: dict[int, Verdict] = {}  # per rows_bucket
-
-    def allows_drafting(self, batch_size: int) -> bool:
-        """Whether a round over ``batch_size`` rows may draft."""
-        verdict = self.verdicts.get(rows_bucket(batch_size), Verdict())
-        if len(verdict.plain) < PLAIN_FIRST:
-            return False
-        return not verdict.vetoed or verdict.trial > 0
-
-    def vetoes(self, batch_size: int) -> bool:
-        """Whether drafting over ``batch_size`` rows was measured not to pay
-        (and no trial runs)."""
-        verdict = self.verdicts.get(rows_bucket(batch_size), Verdict())
-        return verdict.vetoed and not verdict.trial
-
-    def record(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A round over ``batch_size`` rows, which drafted or not, delivered
-        ``tokens`` in ``seconds``."""
-        verdict = self.verdicts.setdefault(rows_bucket(batch_size), Verdict())
-        if drafted:
-            verdict.drafted.append((seconds, tokens))
-            explored_seconds, explored_tokens = verdict.explored
-            verdict.explored = (explored_seconds + seconds, explored_tokens + tokens)
-        else:
-            verdict.plain.append((seconds, tokens))
-        if not verdict.vetoed:
-            verdict.judge()
-        elif verdict.trial:  # counted in drafted rounds: the cost model may choose plain steps
-            verdict.trial -= drafted
-            if not verdict.trial:
-                verdict.judge()
-        else:
-            verdict.wait -= seconds
-            if verdict.wait <= 0:  # a trial, judged by its own rounds
-                verdict.trial = JUDGED_ROUNDS
-                verdict.drafted.clear()
-
-
-class DraftLength:
-    """Draft tokens per round: a fixed number, or for ``"auto"`` the g that
-    ``best_num_draft`` picks from the round costs and the acceptance so far,
-    kept apart for each draft source and each position in the draft:
-    acceptance is not independent from token to token (a draft that got past
-    its first tokens tends to go on agreeing), so one rate for all positions
-    misjudges long drafts.
-
-    One g serves every row of a batch: the rows share the pair and so its
-    acceptance, and a verify pass costs what its longest row costs, so a
-    row drafting fewer tokens than the others would save nothing.
-
-    Every PROBE_EVERY-th round it drafts one token more than its choice: a
-    rate moves only where tokens are tested, so without that a position
-    that an unlucky start made look poor (or a draft that stopped paying
-    for itself, at g = 0) would never be drafted, and so never corrected,
-    again. It does so while a longer draft would pay were the next
-    PROBE_OPTIMISM tokens tested at each position accepted (spread over a
-    batch's rows: see ``rates``); once the tests
-    leave no such hope (or the rounds' costs leave none, as at 32 rows of
-    the benchmark pair), only every HOPELESS_PROBE_EVERY rounds. When it
-    drafts, every PLAIN_PROBE_EVERY-th round, starting with the first
-    probe, is a plain step instead: ``times`` measures drafted rounds
-    against plain ones, so it needs both.
-
-    ``earlier`` holds, per source, the [accepted, tested] counts per position
-    of the decoder's earlier generations, and is updated too. This
-    generation starts from their rate (itself starting from the prior),
-    weighted as PRIOR_WEIGHT tokens, so its own rounds soon outweigh it.
-    ``times`` (``RoundTimes``, shared with the decoder's earlier generations
-    drafting the same way) holds what rounds took.
-
-    All of that weighs rounds; ``deliveries`` (``Deliveries``, shared with
-    the decoder's earlier generations drafting the same way) judges what
-    the choices delivered, everything included, and vetoes drafting where
-    it was measured not to pay (``allows_drafting``)."""
-
-    def __init__(
-        self,
-        num_draft: int | str,
-        round_costs: dict[str, list[float]],
-        earlier: dict[str, np.ndarray] | None = None,
-        times: RoundTimes | None = None,
-        deliveries: Deliveries | None = None,
-    ):
-        self.num_draft = num_draft
-        self.round_costs = round_costs  # per source, calibrated: see best_num_draft
-        self.times = RoundTimes() if times is None else times
-        self.deliveries = Deliveries() if deliveries is None else deliveries
-        self.earlier = acceptance_counts() if earlier is None else earlier
-        self.counts = {}  # per source: [accepted, tested] per position, prior included
-        for source, (accepted, tested) in self.earlier.items():
-            rate = (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tested + PRIOR_WEIGHT)
-            self.counts[source] = np.stack([rate * PRIOR_WEIGHT, np.full_like(rate, PRIOR_WEIGHT)])
-        self.rounds = dict.fromkeys(DRAFT_SOURCES, 0)  # rounds "auto" chose a length for
-
-    def choose(
-        self,
-        source: str,
-        batch_size: int = 1,
-        rows: list[dict[str, np.ndarray]] | None = None,
-        start_cost: float = 0.0,
-    ) -> int:
-        """Draft tokens for the next round from ``source``, over ``batch_size``
-        rows; 0: a plain step. ``rows``: the counts (``acceptance_counts``)
-        of each row that may draft, which ``update`` keeps. A row's rates
-        start from those of every other row (and the prior), weighted as
-        PRIOR_WEIGHT tokens, so a row that the draft keeps failing (a prompt
-        unlike the others) soon weighs as it is, not as the batch's mean;
-        a row alone has the generation's rates. ``start_cost``: what
-        starting the draft model would cost, in plain steps per token the
-        rows have left (see ``draft_start_cost``); model drafts only."""
-        if self.num_draft != "auto":
-            return self.num_draft
-        costs = self.times.costs(source, self.round_costs[source], batch_size)
-        start_cost = start_cost if source == ModelDrafter.source else 0.0
-        num_draft = best_num_draft(self.rates(source, rows), costs, start_cost)
-        self.rounds[source] += 1
-        if self.rounds[source] % PROBE_EVERY:
-            return num_draft
-        if num_draft > 0 and self.rounds[source] % PLAIN_PROBE_EVERY == PROBE_EVERY:
-            return 0
-        hopeful = self.rates(source, rows, luck=PROBE_OPTIMISM)
-        # The rare probe without hope, but not one that would start the draft
-        # model: that cost is what it weighs.
-        if best_num_draft(hopeful, costs, start_cost) > num_draft or (
-            self.rounds[source] % HOPELESS_PROBE_EVERY == 0 and not start_cost
-        ):
-            return min(num_draft + 1, MAX_AUTO_DRAFT)
-        return num_draft
-
-    def rates(
-        self, source: str, rows: list[dict[str, np.ndarray]] | None = None, luck: int = 0
-    ) -> np.ndarray:
-        """The acceptance rate at each draft position of ``source``: the
-        generation's, or one row of them for each of ``rows`` (see
-        ``choose``). With ``luck``, as if the next ``luck`` tokens tested at
-        each position were accepted, spread over the rows: a batch's probe
-        tests a token in every row, and a row of many, each just joined
-        with its 4-token prior from the others, would otherwise make a
-        large batch hopeful all the time."""
-        accepted, tested = self.counts[source]
-        if not rows:
-            return (accepted + luck) / (tested + luck)
-        row_accepted, row_tested = np.stack([row[source] for row in rows], axis=1)
-        others = (accepted - row_accepted) / (tested - row_tested)
-        row_luck = luck / len(rows)
-        return (row_accepted + others * PRIOR_WEIGHT + row_luck) / (
-            row_tested + PRIOR_WEIGHT + row_luck
-        )
-
-    def update(
-        self,
-        source: str,
-        num_accepted: int,
-        num_tested: int,
-        row: dict[str, np.ndarray] | None = None,
-    ) -> None:
-        """A round tested the first ``num_tested`` draft tokens of a row and
-        accepted the first ``num_accepted`` of them; ``row``: that row's own
-        counts (see ``choose``)."""
-        counts = [self.counts[source], self.earlier[source]]
-        if row is not None:
-            counts.append(row[source])
-        for array in counts:
-            array[0, :num_accepted] += 1
-            array[1, :num_tested] += 1
-
-    def timed(self, draft: Draft, seconds: float) -> None:
-        """A round that drafted ``draft`` took ``seconds``, from its drafting
-        to its results (recorded for "auto" only). Not when the draft model
-        first caught up on the tokens of plain steps (more than
-        ``STEADY_CATCH_UP`` in a row): that is paid once per return to
-        drafting, not by every drafted round."""
-        if self.num_draft == "auto" and draft.caught_up <= STEADY_CATCH_UP:
-            batch_size = len(draft.lengths)
-            self.times.record(round_source(draft), max(draft.lengths), batch_size, seconds)
-
-    def allows_drafting(self, batch_size: int) -> bool:
-        """Whether a round over ``batch_size`` rows may draft: always for a
-        fixed number; for "auto" where ``deliveries`` allows it."""
-        return self.num_draft != "auto" or self.deliveries.allows_drafting(batch_size)
-
-    def delivered(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A round over ``batch_size`` rows, which drafted or not, delivered
-        ``tokens`` in ``seconds``, everything that every mode does not pay
-        alike included (recorded for "auto" only: see ``Deliveries``)."""
-        if self.num_draft == "auto":
-            self.deliveries.record(batch_size, drafted, tokens, seconds)

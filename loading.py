@@ -315,9 +315,9 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     import cpu  # noqa: F401  # isort: skip  (on Linux, the BLAS MLX must load first)
     import mlx.core as mx
 
+    from auto import MAX_AUTO_DRAFT
     from cache import KVCache
     from cpu.attention import SOFTMAX_CPU_MIN_SCORES
-    from decoder import MAX_AUTO_DRAFT
     from model import encoder_block_size, load_config, slice_positions
 
     args = load_config(path)

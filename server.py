@@ -5,7 +5,7 @@ python server.py --model-name t5-large --draft-model-name t5-small --num-draft a
 curl http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' \\
      -d '{"prompt": "translate English to German: Thank you.", "max_tokens": 20}'
 
-One thread owns MLX, the models and the batch (``decoder.BatchGenerator``):
+One thread owns MLX, the models and the batch (``scheduler.BatchGenerator``):
 requests reach it as commands on a queue, join the running batch at its
 next round, and get their tokens as soon as a round accepts them. The HTTP
 side (Starlette on uvicorn) never touches MLX. docs/serving.md has the API,

@@ -68,8 +68,8 @@ from limits import decoder_step_bytes, memory_bandwidth
 from reporting import format_table, pyplot, save_with_legend_below, write_tables
 from workers import Worker
 
+from auto import MAX_AUTO_DRAFT, expected_tokens_per_round, pass_times
 from cli import POSITIVE, ArgumentParser, num_draft
-from drafting import MAX_AUTO_DRAFT, expected_tokens_per_round, pass_times
 
 PROMPTS = [
     "translate English to German: The museum opens at nine and closes early on Sundays.",
@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     print(describe_machine(machine))
     print(format_table(rows, COLUMNS))
     configure(decoder, draft_model, args.prompt_lookup, Mode("hybrid", "auto", 0.0))
-    round_costs = decoder.measure_costs(prompt_ids[0].tolist())
+    round_costs = decoder.auto.measure_costs(decoder, prompt_ids[0].tolist())
     extra = {
         "model": str(model_path),
         "draft_model": str(draft_path),

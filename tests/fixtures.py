@@ -518,10 +518,10 @@ def agreement_rate(
 
 
 def linear_round_costs(draft_cost: float) -> list[float]:
-    """Round costs for "auto" (``drafting.best_num_draft``) of g = 0 ..
+    """Round costs for "auto" (``auto.best_num_draft``) of g = 0 ..
     MAX_AUTO_DRAFT draft tokens when a draft step costs ``draft_cost`` main
     steps and a verify pass over any number of tokens costs one."""
-    from drafting import MAX_AUTO_DRAFT
+    from auto import MAX_AUTO_DRAFT
 
     return [1.0 + draft_cost * g for g in range(MAX_AUTO_DRAFT + 1)]
 
@@ -532,11 +532,11 @@ def auto_costs(draft_cost: float) -> dict[str, list[float]]:
 
 
 class UntimedRounds(dict):
-    """``SpeculativeDecoder.round_times`` whose rounds are never timed, so
+    """``auto.Auto.round_times`` whose rounds are never timed, so
     that "auto" keeps the costs it was given."""
 
     def setdefault(self, key, default=None):
-        from drafting import RoundTimes
+        from auto import RoundTimes
 
         times = RoundTimes()
         times.record = lambda source, num_draft, batch_size, seconds: None
@@ -544,11 +544,11 @@ class UntimedRounds(dict):
 
 
 class UnjudgedDeliveries(dict):
-    """``SpeculativeDecoder.deliveries`` that record nothing and always allow
+    """``auto.Auto.deliveries`` that record nothing and always allow
     drafting, so that "auto" drafts as its cost model chooses."""
 
     def setdefault(self, key, default=None):
-        from drafting import Deliveries
+        from auto import Deliveries
 
         deliveries = Deliveries()
         deliveries.allows_drafting = lambda batch_size: True
@@ -559,7 +559,7 @@ class UnjudgedDeliveries(dict):
 def unjudged(decoder) -> None:
     """Make ``decoder``'s "auto" draft as its cost model chooses, whatever
     its rounds deliver (see ``UnjudgedDeliveries``)."""
-    decoder.deliveries = UnjudgedDeliveries()
+    decoder.auto.deliveries = UnjudgedDeliveries()
 
 
 def cheap_drafts(decoder, draft_cost: float = 0.1, judged: bool = False) -> None:
@@ -569,7 +569,7 @@ def cheap_drafts(decoder, draft_cost: float = 0.1, judged: bool = False) -> None
     costs as much as its main model, so timed costs would rightly make auto
     draft little, and a test of drafting would test plain steps."""
     costs = auto_costs(draft_cost)
-    decoder.measure_costs = lambda prompt_ids, batch_size=1: costs
-    decoder.round_times = UntimedRounds()
+    decoder.auto.measure_costs = lambda decoder, prompt_ids, batch_size=1: costs
+    decoder.auto.round_times = UntimedRounds()
     if not judged:
         unjudged(decoder)

@@ -21,10 +21,11 @@ from test_sampling_distribution import (
     exact_distribution,
 )
 
+from auto import HOPELESS_PROBE_EVERY
 from cache import DecoderCache, KVCache, compacted_rows
-from decoder import SORT_WINDOW, SpeculativeDecoder, iter_rounds, longest_first
-from drafting import HOPELESS_PROBE_EVERY
+from decoder import SpeculativeDecoder
 from sampling import Sampling
+from scheduler import SORT_WINDOW, iter_rounds, longest_first
 
 # Prompts of very different lengths (3 to about 160 tokens).
 PROMPTS = [

@@ -28,6 +28,7 @@ from fixtures import train_tokenizer
 import convert
 import loading
 import main as main_module
+from auto import Auto
 from cli import TF32_VARIABLE
 from decoder import GenerationResult, SpeculativeDecoder
 from loading import load_tokenizer, python_command
@@ -348,13 +349,13 @@ def test_calibration_is_apart_from_prompt_and_generation_speed(models, monkeypat
     """auto's cost measurement, made to last a second, is the summary's
     Calibration line and lowers neither the prompt's tokens/s nor the
     generation's."""
-    measure_costs = SpeculativeDecoder.measure_costs
+    measure_costs = Auto.measure_costs
 
     def slow_measure_costs(*args, **kwargs):
         time.sleep(1)
         return measure_costs(*args, **kwargs)
 
-    monkeypatch.setattr(SpeculativeDecoder, "measure_costs", slow_measure_costs)
+    monkeypatch.setattr(Auto, "measure_costs", slow_measure_costs)
     assert main_module.main([*model_args(models), *GENERATE, "--num-draft", "auto"]) == 0
     summary = capsys.readouterr().err
     assert float(CALIBRATION.search(summary)[1]) >= 1, summary

@@ -13,9 +13,10 @@ from fixtures import EOS_ID, PAD_ID, UNK_ID, training_sentences
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, T5Tokenizer
 
-from decoder import Prefix, SpeculativeDecoder
+from decoder import SpeculativeDecoder
 from detokenizer import CONTEXT, StreamingDetokenizer
 from loading import load_tokenizer
+from scheduler import Prefix
 
 # Characters of two, three and four UTF-8 bytes: the test tokenizer has
 # pieces for the umlauts; the byte-fallback one spells the rest in bytes.

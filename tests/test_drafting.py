@@ -7,9 +7,7 @@ import mlx.core as mx
 import pytest
 from fixtures import auto_costs, cheap_drafts, linear_round_costs, unjudged
 
-from cache import compacted_rows
-from decoder import SpeculativeDecoder
-from drafting import (
+from auto import (
     EXPLORATION_SHARE,
     HOPELESS_PROBE_EVERY,
     JUDGED_ROUNDS,
@@ -19,20 +17,20 @@ from drafting import (
     PROBE_EVERY,
     STEADY_CATCH_UP,
     TIMED_ROUNDS,
+    AutoDraftLength,
     Deliveries,
-    Draft,
-    DraftLength,
-    ModelDrafter,
     RoundTimes,
     acceptance_counts,
     best_num_draft,
     draft_start_cost,
     expected_tokens_per_round,
-    find_continuation,
     pass_times,
     piecewise_linear,
     rows_bucket,
 )
+from cache import compacted_rows
+from decoder import SpeculativeDecoder
+from drafting import Draft, FixedDraftLength, ModelDrafter, find_continuation
 from sampling import RowSampling, Sampling
 
 PROMPTS = [
@@ -155,7 +153,7 @@ def test_auto_weighs_starting_the_draft_model():
     assert best_num_draft([0.8] * 16, costs, start_cost=0.25) == 0
     # In auto, a start cost weighs on model drafts only, and no probe without
     # hope starts the draft model.
-    length = accepting(DraftLength("auto", auto_costs(0.5)), 0.8)
+    length = accepting(AutoDraftLength(auto_costs(0.5)), 0.8)
     for _ in range(HOPELESS_PROBE_EVERY):
         assert length.choose("model", 16, start_cost=0.25) == 0
     assert length.choose("lookup", 16, start_cost=0.25) > 0
@@ -164,13 +162,19 @@ def test_auto_weighs_starting_the_draft_model():
 def test_starting_the_lazy_draft_model_is_weighed_until_it_starts(decoding_pair):
     decoder = SpeculativeDecoder(*decoding_pair, num_draft="auto")
     cheap_drafts(decoder)
-    decoder.plain_step_seconds[2] = 0.010  # as if calibrated at 2 rows
+    decoder.auto.plain_step_seconds[2] = 0.010  # as if calibrated at 2 rows
     generator = decoder.batch_generator(max_batch_size=2)
     for prompt in PROMPTS[:2]:
         generator.insert(prompt, max_tokens=MAX_TOKENS)
     generator._admit()  # the prompts join, as a round starts
-    assert generator.drafter.cache is None  # lazy: not started
+    assert generator.drafter.start_pending  # lazy: not started
     live, limits = list(generator.rows), [MAX_TOKENS - 1] * 2
+    start = generator.draft_length.start
+
+    def start_cost() -> float:
+        """The start cost the rule weighs in the next round's choice."""
+        return generator.draft_length.plan(live, limits, generator.drafter).keywords["start_cost"]
+
     # The draft model's work at the main model's prompt seconds per
     # multiply-add: encoding the prompts, then catching up on each row's
     # tokens (the start token so far); over the 2 x 40 tokens left, in plain
@@ -184,40 +188,40 @@ def test_starting_the_lazy_draft_model_is_weighed_until_it_starts(decoding_pair)
     catch_up = seconds_per_work * draft_args.decode_work * 2
     expected = (encoding + catch_up) / (2 * MAX_TOKENS) / (0.010 / 2)
     assert expected > 0
-    assert generator._draft_start_cost(live, limits) == pytest.approx(expected)
+    assert start_cost() == pytest.approx(expected)
     # Rows that generated tokens before it starts add a longer catch-up,
     # padded to the longest row.
     live[0].sequence += [5] * 9
     longer = (encoding + catch_up * 10) / (2 * MAX_TOKENS) / (0.010 / 2)
-    assert generator._draft_start_cost(live, limits) == pytest.approx(longer)
+    assert start_cost() == pytest.approx(longer)
     live[0].sequence = live[0].sequence[:1]
     # Weighed by a plain step over the fewest more rows, never fewer.
-    decoder.plain_step_seconds = {1: 0.005, 4: 0.020, 8: 0.030}
-    assert generator._draft_start_cost(live, limits) == pytest.approx(expected / 2)
-    decoder.plain_step_seconds = {1: 0.005}
-    assert generator._draft_start_cost(live, limits) == 0
-    decoder.plain_step_seconds = {2: 0.010}
+    start.plain_step_seconds = {1: 0.005, 4: 0.020, 8: 0.030}
+    assert start_cost() == pytest.approx(expected / 2)
+    start.plain_step_seconds = {1: 0.005}
+    assert start_cost() == 0
+    start.plain_step_seconds = {2: 0.010}
     for _ in range(MAX_TOKENS):  # cheap drafts: auto drafts within a few rounds
         generator.next()
-        if generator.drafter.cache is not None:
+        if not generator.drafter.start_pending:
             break
-    assert generator._draft_start_cost(live, limits) == 0
+    assert start_cost() == 0
 
 
 def test_auto_draft_length_follows_acceptance():
-    length = DraftLength("auto", auto_costs(0.1))
+    length = AutoDraftLength(auto_costs(0.1))
     assert length.choose("model") == 5  # the prior, alpha 0.75
     for _ in range(20):
         length.update("model", 0, 1)  # every tested token rejected
         length.update("lookup", 6, 6)  # every one accepted
     assert length.choose("model") == 1
     assert length.choose("lookup") == 16
-    assert DraftLength(3, {}).choose("model") == 3
+    assert FixedDraftLength(3).plan([], [3], None)("model") == 3
 
 
 def test_auto_stops_drafting_a_draft_that_does_not_pay_and_probes_it_while_it_might():
     # A round of one draft token costs 1.55 plain steps: it pays above 0.55 acceptance.
-    length = DraftLength("auto", auto_costs(0.55))
+    length = AutoDraftLength(auto_costs(0.55))
     for _ in range(3):
         length.update("model", 0, 1)  # the prior (3 of 4) and 3 rejections: 3 of 7
     choices = []
@@ -241,7 +245,7 @@ def test_auto_stops_drafting_a_draft_that_does_not_pay_and_probes_it_while_it_mi
     ids=["hope left", "no hope left"],
 )
 def test_auto_recovers_a_position_an_unlucky_start_made_look_poor(rejections, rounds):
-    length = DraftLength("auto", auto_costs(0.3))
+    length = AutoDraftLength(auto_costs(0.3))
     for _ in range(rejections):
         length.update("model", 1, 2)  # at first every second token rejected
     assert length.choose("model") == 1
@@ -258,7 +262,7 @@ def test_auto_recovers_a_position_an_unlucky_start_made_look_poor(rejections, ro
 def test_prompts_joining_a_batch_share_the_probes_luck():
     # A round of one draft token costs 1.3 plain steps; the generation
     # accepted 5 of its 100 first draft tokens: no drafting, and no hope left.
-    length = accepting(DraftLength("auto", auto_costs(0.3)), 0.05)
+    length = accepting(AutoDraftLength(auto_costs(0.3)), 0.05)
     old = acceptance_counts()
     length.update("model", 0, 1, old)
     # Three prompts just joined: nothing of their own tested. The 4 lucky
@@ -276,7 +280,7 @@ def test_prompts_joining_a_batch_share_the_probes_luck():
 
 
 def test_auto_probes_with_a_plain_step_then_one_token_more():
-    length = DraftLength("auto", auto_costs(0.1))  # the prior alone: g = 5
+    length = AutoDraftLength(auto_costs(0.1))  # the prior alone: g = 5
     choices = [length.choose("model") for _ in range(2 * PROBE_EVERY)]
     assert choices == [5] * (PROBE_EVERY - 1) + [0] + [5] * (PROBE_EVERY - 1) + [6]
 
@@ -318,7 +322,7 @@ def test_round_times_correct_the_calibrated_costs():
     assert times.costs("model", calibrated, 7) == costs  # 9 rows: no drafted round timed
 
 
-def run_timed_rounds(length: DraftLength, round_seconds, rounds: int) -> list[int]:
+def run_timed_rounds(length: AutoDraftLength, round_seconds, rounds: int) -> list[int]:
     """Let ``length`` choose ``rounds`` model rounds over 2 rows, each of
     which takes ``round_seconds(g)``; the choices."""
     choices = []
@@ -331,7 +335,7 @@ def run_timed_rounds(length: DraftLength, round_seconds, rounds: int) -> list[in
     return choices
 
 
-def accepting(length: DraftLength, rate: float, tests: int = 100) -> DraftLength:
+def accepting(length: AutoDraftLength, rate: float, tests: int = 100) -> AutoDraftLength:
     """``length`` after ``tests`` one-token rounds accepting at ``rate``."""
     for i in range(tests):
         length.update("model", int(i < rate * tests), 1)
@@ -340,7 +344,7 @@ def accepting(length: DraftLength, rate: float, tests: int = 100) -> DraftLength
 
 def test_auto_stops_drafting_where_its_rounds_cost_more_than_calibrated():
     # Calibrated, a draft step costs 0.1 plain steps: at acceptance 0.8 drafting pays.
-    length = accepting(DraftLength("auto", auto_costs(0.1)), 0.8)
+    length = accepting(AutoDraftLength(auto_costs(0.1)), 0.8)
     # But each drafted token makes the round a plain round longer:
     # 1.8 tokens for 2 plain rounds' time at g = 1.
     choices = run_timed_rounds(length, lambda g: 0.01 * (1 + g), 4 * PROBE_EVERY)
@@ -356,7 +360,7 @@ def test_auto_stops_drafting_where_its_rounds_cost_more_than_calibrated():
 
 def test_auto_drafts_where_its_rounds_cost_less_than_calibrated():
     # Calibrated, a draft step costs 0.5 plain steps: at acceptance 0.4 no g pays.
-    length = accepting(DraftLength("auto", auto_costs(0.5)), 0.4)
+    length = accepting(AutoDraftLength(auto_costs(0.5)), 0.4)
     # But a round of g costs 1 + 0.1 g plain rounds: 1.4 tokens for 1.1 at g = 1.
     rounds = HOPELESS_PROBE_EVERY + 2 * PROBE_EVERY
     choices = run_timed_rounds(length, lambda g: 0.01 * (1 + 0.1 * g), rounds)
@@ -379,7 +383,7 @@ def test_auto_times_each_round_by_source_draft_length_and_rows(decoding_pair):
     # One decoder's generations share their timings, the last TIMED_ROUNDS of
     # each kind, here all over one row: every plain round's, and a drafted
     # one's unless the draft model first caught up on plain rounds' tokens.
-    (times,) = decoder.round_times.values()
+    (times,) = decoder.auto.round_times.values()
     assert list(times.seconds) == [1]
     timed = {kind: len(seconds) for kind, seconds in times.seconds[1].items()}
     assert timed.pop(("plain", 0)) == min(rounds.pop(("plain", 0)), TIMED_ROUNDS)
@@ -403,14 +407,14 @@ def test_auto_leaves_out_rounds_that_caught_up_on_plain_steps(decoding_pair):
     accepted += [*second.tokens[0].tolist(), 9, 9, 9]
     later = drafter.propose([accepted], greedy, lambda source: 2, [2])
     assert later.caught_up == 4
-    length = DraftLength("auto", auto_costs(0.1))
+    length = AutoDraftLength(auto_costs(0.1))
     length.timed(first, 0.01)
     length.timed(later, 0.05)  # left out: its catch-up is paid once, after plain steps
     assert list(length.times.seconds[1]["model", 2]) == [0.01]
 
 
 def test_auto_weighs_each_row_by_its_own_acceptance():
-    length = accepting(DraftLength("auto", auto_costs(0.3)), 0.8)
+    length = accepting(AutoDraftLength(auto_costs(0.3)), 0.8)
     good, bad = acceptance_counts(), acceptance_counts()
     for _ in range(10):
         length.update("model", 1, 1, good)
@@ -442,11 +446,12 @@ def test_batch_rows_keep_their_own_acceptance(decoding_pair):
     for _ in range(10):
         generator.next()
     assert chosen_for and all(
-        [id(row) for row in rows] == [id(row.acceptance) for row in generator.rows]
+        [id(row) for row in rows]
+        == [id(generator.draft_length.row_counts[row.uid]) for row in generator.rows]
         for rows in chosen_for
     )
     for row in generator.rows:
-        accepted, tested = row.acceptance["model"]
+        accepted, tested = generator.draft_length.row_counts[row.uid]["model"]
         assert accepted.sum() == row.result.n_accepted
         assert tested.sum() == row.result.n_accepted + row.result.n_rejected > 0
 
@@ -493,21 +498,21 @@ def test_a_lazy_model_drafter_encodes_its_rows_prompts_when_it_first_drafts(deco
 def test_auto_starts_from_the_acceptance_of_earlier_generations():
     costs = auto_costs(0.1)
     earlier = acceptance_counts()
-    first = DraftLength("auto", costs, earlier)
+    first = AutoDraftLength(costs, earlier)
     assert first.choose("model") == 5  # the prior
     for _ in range(30):
         first.update("model", 0, 1)
-    second = DraftLength("auto", costs, earlier)
+    second = AutoDraftLength(costs, earlier)
     # The first position's rate so far, (0 + 0.75 * 4) / (30 + 4): not worth drafting.
     assert second.choose("model") == 0
-    assert second.choose("lookup") == DraftLength("auto", costs).choose("lookup")
+    assert second.choose("lookup") == AutoDraftLength(costs).choose("lookup")
     for _ in range(8):
         second.update("model", 3, 3)  # this generation's own rounds outweigh it
     assert second.choose("model") >= 3
 
 
 def test_auto_draft_length_learns_each_position():
-    length = DraftLength("auto", auto_costs(0.1))
+    length = AutoDraftLength(auto_costs(0.1))
     for _ in range(50):
         length.update("model", 1, 2)  # the first token accepted, the second rejected
     # One rate for both positions, 0.5, would choose g = 2 (1.75 / 1.2 > 1.5 / 1.1).
@@ -581,15 +586,17 @@ def test_auto_times_the_rounds_of_each_draft_source(decoding_pair):
     timed with their draft steps, a lookup's are its verify pass alone."""
     model, _, tokenizer = decoding_pair
     prompt_ids = tokenizer(PROMPTS[0]).input_ids
-    costs = {
-        drafting: SpeculativeDecoder(*pair, num_draft="auto", prompt_lookup=lookup).measure_costs(
-            prompt_ids
-        )
+    decoders = {
+        drafting: SpeculativeDecoder(*pair, num_draft="auto", prompt_lookup=lookup)
         for drafting, pair, lookup in [
             ("draft model", decoding_pair, 0),
             ("prompt lookup", (model, None, tokenizer), 2),
             ("hybrid", decoding_pair, 2),
         ]
+    }
+    costs = {
+        drafting: decoder.auto.measure_costs(decoder, prompt_ids)
+        for drafting, decoder in decoders.items()
     }
     assert {drafting: sorted(c) for drafting, c in costs.items()} == {
         "draft model": ["model"],
@@ -870,7 +877,7 @@ def batch_of_two(decoder: SpeculativeDecoder, max_tokens: int = MAX_TOKENS) -> l
             result.n_draft > (last[uid].n_draft if uid in last else 0) for uid, result in events
         )
         last.update(events)
-        started = generator._started_model_drafter() is not None
+        started = generator.drafter is not None and not generator.drafter.start_pending
         rounds.append((len(generator.rows), drafts, started))
     regular = [decoder.generate(prompt, max_tokens=max_tokens).tokens for prompt in PROMPTS[:2]]
     assert [last[uid].tokens for uid in uids] == regular
@@ -913,4 +920,4 @@ def test_auto_keeps_a_draft_model_whose_rounds_deliver_more(decoding_pair):
     # (one in PROBE_EVERY rounds at most).
     assert rounds[:PLAIN_FIRST] == [False] * PLAIN_FIRST
     assert rounds[PLAIN_FIRST:].count(False) <= len(rounds) / PROBE_EVERY
-    assert not next(iter(decoder.deliveries.values())).vetoes(2)
+    assert not next(iter(decoder.auto.deliveries.values())).vetoes(2)

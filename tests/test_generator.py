@@ -20,9 +20,10 @@ from test_sampling_distribution import (
     exact_distribution,
 )
 
-from decoder import HOLD_FREE_ROWS, SpeculativeDecoder
+from decoder import SpeculativeDecoder
 from model import encoder_passes
 from sampling import RowSampling, Sampling
+from scheduler import HOLD_FREE_ROWS
 
 MAX_NEW = 12
 SAMPLED = Sampling(temp=0.8)
@@ -234,7 +235,9 @@ def test_auto_counts_its_draft_models_encoding_as_prompt_time_not_as_the_rounds(
     model, draft_model, tokenizer = decoding_pair
     delay = 0.5
     decoder = SpeculativeDecoder(model, SlowPrompts(draft_model, delay), tokenizer, "auto")
-    decoder.measure_costs = lambda prompt_ids, batch_size=1: auto_costs(0.1)  # drafting pays
+    decoder.auto.measure_costs = lambda decoder, prompt_ids, batch_size=1: auto_costs(
+        0.1
+    )  # drafting pays
     unjudged(decoder)  # from the first round
     generator = decoder.batch_generator(max_batch_size=2)
     for prompt in PROMPTS[:2]:
@@ -242,7 +245,7 @@ def test_auto_counts_its_draft_models_encoding_as_prompt_time_not_as_the_rounds(
     events = generator.next()
     assert all(result.n_draft > 0 for _, result in events)  # the first round drafted
     assert all(result.prompt_time > delay / 2 for _, result in events)
-    (times,) = decoder.round_times.values()
+    (times,) = decoder.auto.round_times.values()
     ((kind, seconds),) = times.seconds[2].items()
     assert kind[0] == "model" and len(seconds) == 1 and seconds[0] < delay
 
@@ -299,15 +302,15 @@ def test_a_short_prompt_decodes_while_a_long_one_encodes(decoding_pair, monkeypa
     short prompt sent after it began joins and finishes while it still
     encodes (counted in events and slices, not timed), and both get the
     text they get alone, with the draft model encoding each too."""
-    import decoder as decoder_module
     import model as model_module
+    import scheduler
 
     model, draft_model, tokenizer = decoding_pair
     decoder = SpeculativeDecoder(model, draft_model, tokenizer, num_draft=2)
     long_prompt = [5 + i % 40 for i in range(300)] + [1]
     projection, feed_forward = model.args._layer_work
     monkeypatch.setattr(model_module, "ENCODER_SLICE_WORK", 16 * (4 * projection + feed_forward))
-    monkeypatch.setattr(decoder_module, "IDLE_ENCODING_SECONDS", 0.0)
+    monkeypatch.setattr(scheduler, "IDLE_ENCODING_SECONDS", 0.0)
     generator = decoder.batch_generator(max_batch_size=4, interleave_encoding=True)
     long_uid = generator.insert(long_prompt, max_tokens=MAX_NEW)
     assert generator.next() == [] and len(generator.encodings) == 1  # one slice of it
@@ -330,7 +333,7 @@ def test_a_pass_encodes_two_rounds_time_per_prompt_at_once(decoding_pair):
     JOINING_ROUNDS rounds' time per prompt goes first, credit or not (a
     server's usual requests join at once, even beside short rounds); the
     others wait for the credit, in order."""
-    from decoder import JOINING_ROUNDS, Encoding, Row
+    from scheduler import JOINING_ROUNDS, Encoding, Row
 
     decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
     generator = decoder.batch_generator(max_batch_size=4, interleave_encoding=True)
@@ -359,12 +362,12 @@ def test_a_pass_encodes_two_rounds_time_per_prompt_at_once(decoding_pair):
 def test_a_prompt_cancelled_while_encoding_leaves_nothing(decoding_pair):
     """A prompt cancelled while its pass encodes leaves the generator, its
     pass too when no prompt of it is left."""
-    import decoder as decoder_module
+    import scheduler
 
     decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
     generator = decoder.batch_generator(max_batch_size=4, interleave_encoding=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decoder_module, "IDLE_ENCODING_SECONDS", 0.0)
+        patch.setattr(scheduler, "IDLE_ENCODING_SECONDS", 0.0)
         uid = generator.insert([5 + i % 40 for i in range(300)] + [1])
         generator.next()
     assert len(generator) == 1 and generator.encodings
