@@ -321,12 +321,17 @@ class Job:
     def finished(self) -> bool:
         return all(choice.finish_reason for choice in self.choices)
 
+    def state(self) -> list[tuple[str, str | None]]:
+        """Each choice's text and finish reason now: what a round sends a
+        stream, which the handler may read rounds later."""
+        return [(choice.text, choice.finish_reason) for choice in self.choices]
+
 
 class Engine:
     """The decoding thread: it alone calls MLX. Handlers ``submit`` and
     ``cancel`` jobs; the thread admits their prompts into the batch between
-    rounds and sends each job ("accepted",), ("progress",) after every round
-    that changed it (streaming jobs only), then ("done",) or ("error",
+    rounds and sends each job ("accepted",), ("progress", choices) after every
+    round that changed it (streaming jobs only), then ("done", choices) or ("error",
     RequestError). ``abort`` ends every open job with an error at once.
 
     Every completion request counts in ``requests`` and, once it ends, in
@@ -504,10 +509,10 @@ class Engine:
             for job in changed.values():
                 if job.finished:
                     job.done = True
-                    job.send(("done",))
+                    job.send(("done", job.state()))
                     self._end(job, "completed")
                 elif job.settings.stream:
-                    job.send(("progress",))
+                    job.send(("progress", job.state()))
             self._count(generator)
 
     def _new_generator(self):
@@ -566,18 +571,17 @@ class Engine:
 
 def completion_body(job: Job, request_id: str, model: str, created: int, stream_texts=None) -> dict:
     """OpenAI's completion object for ``job``; with ``stream_texts`` (per
-    choice: the text to send now, or None), a streaming chunk."""
+    choice: the text to send now and its finish reason, or None), a
+    streaming chunk."""
     choices = []
     for index, choice in enumerate(job.choices):
         if stream_texts is not None and stream_texts[index] is None:
             continue
         result = choice.result
-        entry = {
-            "index": index,
-            "text": choice.text if stream_texts is None else stream_texts[index],
-            "logprobs": None,
-            "finish_reason": choice.finish_reason,
-        }
+        text, finish_reason = (
+            (choice.text, choice.finish_reason) if stream_texts is None else stream_texts[index]
+        )
+        entry = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         if stream_texts is None and result is not None:
             # The speculative figures, named as LM Studio reports them: a
             # round's draft tokens after its rejected one (or the draft's end
@@ -698,15 +702,17 @@ def build_app(
                     yield f"data: {json.dumps(message[1].body())}\n\n"
                     break
                 texts = []
-                for index, choice in enumerate(job.choices):
-                    finishing = choice.finish_reason is not None and not ended[index]
-                    end = len(choice.text)
+                # The choices as the round that sent this left them, however
+                # late it is read: a chunk per round.
+                for index, (text, finish_reason) in enumerate(message[1]):
+                    finishing = finish_reason is not None and not ended[index]
+                    end = len(text)
                     if not finishing:
-                        end -= held_back(choice.text, job.settings.stop)
-                    new = choice.text[sent[index] : max(sent[index], end)]
+                        end -= held_back(text, job.settings.stop)
+                    new = text[sent[index] : max(sent[index], end)]
                     sent[index] += len(new)
                     ended[index] = ended[index] or finishing
-                    texts.append(new if new or finishing else None)
+                    texts.append((new, finish_reason) if new or finishing else None)
                 if any(t is not None for t in texts):
                     chunk = completion_body(job, request_id, model_name, created, texts)
                     yield f"data: {json.dumps(chunk)}\n\n"
