@@ -22,7 +22,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,9 +33,6 @@ from cache import DecoderCache
 from drafting import Draft, Drafter, ModelDrafter
 from model import T5, ModelArgs
 from sampling import RowSampling, Sampling
-
-if TYPE_CHECKING:
-    from decoder import RoundOutcome, SpeculativeDecoder
 
 # The most draft tokens "auto" proposes per round.
 MAX_AUTO_DRAFT = 16
@@ -498,10 +494,8 @@ class AutoDraftLength:
             self.choose, batch_size=len(rows), rows=drafting, start_cost=start_cost
         )
 
-    def observe(
-        self, rows: list, outcome: RoundOutcome, round_seconds: float, delivered_seconds: float
-    ) -> None:
-        """What a round over ``rows`` gave (``outcome``): the draft tokens each
+    def observe(self, rows: list, outcome, round_seconds: float, delivered_seconds: float) -> None:
+        """What a round over ``rows`` gave (``outcome``, a ``decoder.RoundOutcome``): the draft tokens each
         row had tested and accepted; ``round_seconds``, its time from its
         drafting to its results; ``delivered_seconds``, all the loop waited
         for its tokens (see ``Deliveries``)."""
@@ -633,8 +627,10 @@ class DraftStart:
 
 
 class Auto:
-    """A decoder's "auto": what it measured, kept from batch to batch, and
-    the rule it gives each batch (``for_batch``)."""
+    """What "auto" measured for a decoder, kept from batch to batch, and the
+    rule it gives each batch (``for_batch``). A decoder's draft model,
+    lookup and delta may change between batches (the benchmarks change
+    them): what it keeps is kept apart for each."""
 
     def __init__(self):
         self.costs = {}  # round costs per source, draft model and batch size: see measure_costs
@@ -646,56 +642,64 @@ class Auto:
 
     def for_batch(
         self,
-        decoder: SpeculativeDecoder,
+        model: T5,
+        draft_model: T5 | None,
+        prompt_lookup: int,
+        delta: float,
         prompt_ids: Sequence[int],
         sampling: Sampling,
         batch_size: int,
     ) -> AutoDraftLength:
-        """The rule for a batch of ``decoder``'s whose first prompt is
-        ``prompt_ids``, sampled by ``sampling``, its costs weighed at
-        ``batch_size`` rows (measured now if not yet)."""
+        """The rule for a batch of ``model``'s drafted by ``draft_model`` (or
+        None) and lookup of n-grams up to ``prompt_lookup`` tokens (0: none),
+        accepting with ``delta``, whose first prompt is ``prompt_ids``,
+        sampled by ``sampling``, its costs weighed at ``batch_size`` rows
+        (measured now if not yet)."""
         tic = time.perf_counter()
-        costs = self.measure_costs(decoder, prompt_ids, batch_size)
+        costs = self.measure_costs(model, draft_model, prompt_lookup, prompt_ids, batch_size)
         # Acceptance depends on the pair, how lookup matches, sampling and delta;
         # round times on the pair, how lookup matches and whether rows sample.
-        drafting = decoder.drafting, decoder.prompt_lookup, id(decoder.draft_model)
-        way = (*drafting, sampling, decoder.delta)
+        drafting = id(draft_model), prompt_lookup
+        way = (*drafting, sampling, delta)
         earlier = self.acceptance.setdefault(way, acceptance_counts())
         times = self.round_times.setdefault((*drafting, sampling.greedy), RoundTimes())
         # What choices deliver depends on acceptance and round times alike.
         deliveries = self.deliveries.setdefault(way, Deliveries())
         start = None
-        if decoder.draft_model is not None:
-            args = decoder.model.args, decoder.draft_model.args
-            start = DraftStart(*args, self.plain_step_seconds)
+        if draft_model is not None:
+            start = DraftStart(model.args, draft_model.args, self.plain_step_seconds)
         seconds = time.perf_counter() - tic
         return AutoDraftLength(costs, earlier, times, deliveries, start, seconds)
 
     def measure_costs(
-        self, decoder: SpeculativeDecoder, prompt_ids: Sequence[int], batch_size: int = 1
+        self,
+        model: T5,
+        draft_model: T5 | None,
+        prompt_lookup: int,
+        prompt_ids: Sequence[int],
+        batch_size: int = 1,
     ) -> dict[str, list[float]]:
         """What "auto" weighs at ``batch_size`` rows, for each draft source
-        ``decoder`` drafts from: the time of a round drafting g = 0 ..
+        (``draft_model``, lookup): the time of a round drafting g = 0 ..
         MAX_AUTO_DRAFT tokens per row and verifying them, over that of a
-        plain main step, timed on ``prompt_ids`` once per decoder (and draft
-        model) and batch size. A model's draft tokens are timed in the round,
-        between main passes, because drafting there costs more than drafting
-        alone (see docs/how-it-works.md). Looking up draft tokens costs next
-        to nothing, so a lookup round costs its verify pass."""
+        plain step of ``model``, timed on ``prompt_ids`` once per draft
+        model and batch size. A model's draft tokens are timed in the
+        round, between main passes, because drafting there costs more than
+        drafting alone (see docs/how-it-works.md). Looking up draft tokens
+        costs next to nothing, so a lookup round costs its verify pass."""
         prompt_ids = list(prompt_ids)
-        sources = {"draft model": ["model"], "prompt lookup": ["lookup"], "hybrid": DRAFT_SOURCES}
+        sources = ["model"] if draft_model is not None else []
+        sources += ["lookup"] if prompt_lookup else []
         costs, encoder_output = {}, None
-        for source in sources.get(decoder.drafting, []):
-            key = source, id(decoder.draft_model) if source == "model" else None, batch_size
+        for source in sources:
+            key = source, id(draft_model) if source == "model" else None, batch_size
             if key not in self.costs:
                 drafter = None
                 if source == "model":
-                    drafter = ModelDrafter(decoder.draft_model, [prompt_ids] * batch_size)
+                    drafter = ModelDrafter(draft_model, [prompt_ids] * batch_size)
                 if encoder_output is None:  # once for both sources of hybrid drafting
-                    encoder_output = decoder.model.encode(mx.array([prompt_ids]))
-                times = pass_times(
-                    decoder.model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size, drafter
-                )
+                    encoder_output = model.encode(mx.array([prompt_ids]))
+                times = pass_times(model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size, drafter)
                 self.costs[key] = [t / times[0] for t in times]
                 self.plain_step_seconds[batch_size] = times[0]
             costs[source] = self.costs[key]

@@ -32,16 +32,8 @@ import mlx.core as mx
 from mlx import nn
 
 from cli import ArgumentParser
-from loading import (
-    WEIGHTS_FILE,
-    default_output,
-    format_bytes,
-    is_converted,
-    python_command,
-    quiet_transformers,
-    read_config,
-    written_by_convert,
-)
+from layout import WEIGHTS_FILE, default_output, is_converted, read_config, written_by_convert
+from loading import format_bytes, python_command, quiet_transformers
 from model import T5, ModelArgs, quantizable_layers, stacked_projections
 
 if TYPE_CHECKING:  # torch is needed only to read .bin weights

@@ -27,8 +27,15 @@ import mlx.core as mx
 from auto import Auto
 from cache import DecoderCache
 from detokenizer import byte_piece_ids
-from drafting import Draft, Drafter, DraftLength, FixedDraftLength, make_drafter, trim_to
-from loading import check_draft_compatible
+from drafting import (
+    Draft,
+    Drafter,
+    DraftLength,
+    FixedDraftLength,
+    check_draft_compatible,
+    make_drafter,
+    trim_to,
+)
 from model import T5
 from sampling import RowSampling, Sampling, verify
 
@@ -200,12 +207,8 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt_lookup must be an integer >= 0, got {prompt_lookup!r}")
         if draft_model is not None:
             check_draft_compatible(model.args, draft_model.args)
-        self.model = model
-        self.draft_model = draft_model
-        self.tokenizer = tokenizer
-        self.num_draft = num_draft
-        self.delta = delta
-        self.prompt_lookup = prompt_lookup
+        self.model, self.draft_model, self.tokenizer = model, draft_model, tokenizer
+        self.num_draft, self.delta, self.prompt_lookup = num_draft, delta, prompt_lookup
         self.auto = Auto()  # what "auto" measured, kept from batch to batch
 
     @functools.cached_property
@@ -268,7 +271,8 @@ class SpeculativeDecoder:
         """The draft-length rule of a batch whose first rows are ``prompts``,
         sampled by ``sampling``, its costs weighed at ``batch_size`` rows."""
         if self.num_draft == "auto":
-            return self.auto.for_batch(self, prompts[0], sampling, batch_size)
+            drafting = self.model, self.draft_model, self.prompt_lookup, self.delta
+            return self.auto.for_batch(*drafting, prompts[0], sampling, batch_size)
         return FixedDraftLength(self.num_draft)
 
     def batch_generator(

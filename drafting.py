@@ -26,8 +26,43 @@ import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from cache import DecoderCache
-from model import T5
+from model import T5, ModelArgs
 from sampling import RowSampling, split_keys
+
+
+class IncompatibleDraftError(ValueError):
+    """The draft model cannot propose tokens for the main model."""
+
+
+def check_draft_compatible(
+    main_args: ModelArgs,
+    draft_args: ModelArgs,
+    main_name: str = "main model",
+    draft_name: str = "draft model",
+    main_vocab: dict[str, int] | None = None,
+    draft_vocab: dict[str, int] | None = None,
+) -> None:
+    """Raise ``IncompatibleDraftError`` unless the draft model speaks the main
+    model's vocabulary: same output size, same special tokens and, when
+    given, the same tokenizer vocabulary."""
+    for field in (
+        "vocab_size",
+        "decoder_start_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ):
+        main_value, draft_value = getattr(main_args, field), getattr(draft_args, field)
+        if main_value != draft_value:
+            raise IncompatibleDraftError(
+                f"draft model {draft_name} does not match main model {main_name}: "
+                f"{field} is {draft_value} in the draft and {main_value} in the main model"
+            )
+    if main_vocab is not None and draft_vocab is not None and main_vocab != draft_vocab:
+        differing = len({index for _, index in main_vocab.items() ^ draft_vocab.items()})
+        raise IncompatibleDraftError(
+            f"draft model {draft_name} does not match main model {main_name}: "
+            f"their tokenizers differ in {differing} vocabulary entries"
+        )
 
 
 @dataclass

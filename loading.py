@@ -12,7 +12,6 @@ that a command checks its arguments (``cli.py``) before those slow imports.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -21,98 +20,18 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from decoder import SpeculativeDecoder
-    from model import ModelArgs
-
-# Where convert.py writes models by default, relative to the directory it
-# runs in; models are looked up there, then in this repository's.
-MODELS_DIRECTORY = "mlx_models"
-REPOSITORY_MODELS = Path(__file__).resolve().parent / MODELS_DIRECTORY
-
-# The weights convert.py writes (safetensors, which MLX reads itself), and
-# those of conversions by earlier versions (see model.weights_file).
-WEIGHTS_FILE = "weights.safetensors"
-LEGACY_WEIGHTS_FILE = "weights.npz"
-# Every name convert.py writes into a model directory: the weights, config.json
-# and the tokenizer's files (those any transformers version saves for T5).
-CONVERTED_FILES = frozenset(
-    {
-        WEIGHTS_FILE,
-        LEGACY_WEIGHTS_FILE,
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "spiece.model",
-    }
+from layout import (
+    MODELS_DIRECTORY,
+    REPOSITORY_MODELS,
+    WEIGHTS_FILE,
+    conversions_of,
+    free_output,
+    is_checkpoint,
+    is_converted,
 )
 
-
-def is_converted(path: Path) -> bool:
-    """Whether ``path`` holds a converted model: config.json and weights."""
-    weights = (path / WEIGHTS_FILE, path / LEGACY_WEIGHTS_FILE)
-    return (path / "config.json").is_file() and any(file.is_file() for file in weights)
-
-
-def read_config(path: Path) -> dict:
-    """The JSON object in ``path/config.json``; empty if there is none."""
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def written_by_convert(path: Path) -> bool:
-    """Whether ``path`` is a directory convert.py wrote, with nothing added:
-    a converted model whose config.json names its source (``converted_from``)
-    or, written before convert.py recorded that, is a T5 config, and no
-    files but CONVERTED_FILES."""
-    if path.is_symlink() or not is_converted(path):
-        return False
-    if any(entry.name not in CONVERTED_FILES or not entry.is_file() for entry in path.iterdir()):
-        return False
-    config = read_config(path)
-    return "converted_from" in config or config.get("model_type") == "t5"
-
-
-def is_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a Hugging Face checkpoint directory: config.json
-    and safetensors or PyTorch weights."""
-    weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
-    return (path / "config.json").is_file() and weights
-
-
-def default_output(model: str, quantization: dict | None = None) -> Path:
-    """Where convert.py writes ``model`` unless ``--out`` says otherwise: the
-    mlx-community names, ``<name>-4bit`` (affine) or ``<name>-mxfp4``, when quantized."""
-    name = Path(model).resolve().name if Path(model).is_dir() else model.replace("/", "-")
-    if quantization:
-        mode = quantization["mode"]
-        name += f"-{quantization['bits']}bit" if mode == "affine" else f"-{mode}"
-    return Path(MODELS_DIRECTORY) / name
-
-
-def conversions_of(checkpoint: Path) -> list[Path]:
-    """The conversions of the directory ``checkpoint`` in mlx_models/, told
-    by the source their config.json records."""
-    source = str(checkpoint.resolve())
-    return sorted(
-        path
-        for path in Path(MODELS_DIRECTORY).glob("*")
-        if is_converted(path) and read_config(path).get("converted_from") == source
-    )
-
-
-def free_output(checkpoint: Path) -> Path:
-    """convert.py's default output for ``checkpoint`` or, where something else
-    is, the first free ``<name>-2``, ``<name>-3``, ..."""
-    out = default_output(str(checkpoint))
-    numbered = (out.with_name(f"{out.name}-{number}") for number in itertools.count(2))
-    candidates = itertools.chain([out], numbered)
-    return next(path for path in candidates if not path.exists() and not path.is_symlink())
+if TYPE_CHECKING:
+    from decoder import SpeculativeDecoder
 
 
 def names_a_path(name: str) -> bool:
@@ -187,10 +106,6 @@ def resolve_model(name: str | Path) -> Path:
     )
 
 
-class IncompatibleDraftError(ValueError):
-    """The draft model cannot propose tokens for the main model."""
-
-
 def quiet_transformers() -> None:
     """Silence transformers' advisory warnings, such as that PyTorch was not
     found: only its tokenizers are used, which need no PyTorch (the README's
@@ -234,40 +149,10 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
-def check_draft_compatible(
-    main_args: ModelArgs,
-    draft_args: ModelArgs,
-    main_name: str = "main model",
-    draft_name: str = "draft model",
-    main_vocab: dict[str, int] | None = None,
-    draft_vocab: dict[str, int] | None = None,
-) -> None:
-    """Raise ``IncompatibleDraftError`` unless the draft model speaks the main
-    model's vocabulary: same output size, same special tokens and, when
-    given, the same tokenizer vocabulary."""
-    for field in (
-        "vocab_size",
-        "decoder_start_token_id",
-        "eos_token_id",
-        "pad_token_id",
-    ):
-        main_value, draft_value = getattr(main_args, field), getattr(draft_args, field)
-        if main_value != draft_value:
-            raise IncompatibleDraftError(
-                f"draft model {draft_name} does not match main model {main_name}: "
-                f"{field} is {draft_value} in the draft and {main_value} in the main model"
-            )
-    if main_vocab is not None and draft_vocab is not None and main_vocab != draft_vocab:
-        differing = len({index for _, index in main_vocab.items() ^ draft_vocab.items()})
-        raise IncompatibleDraftError(
-            f"draft model {draft_name} does not match main model {main_name}: "
-            f"their tokenizers differ in {differing} vocabulary entries"
-        )
-
-
 def check_draft_directories(main_path: str | Path, draft_path: str | Path) -> None:
     """``check_draft_compatible`` for two converted model directories,
     reading only their configs and tokenizers, before any weights are loaded."""
+    from drafting import check_draft_compatible
     from model import load_config
 
     args = [load_config(path) for path in (main_path, draft_path)]

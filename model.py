@@ -27,7 +27,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from cache import DecoderCache, KVCache, joined_caches, padding_mask
-from loading import LEGACY_WEIGHTS_FILE, WEIGHTS_FILE
+from layout import LEGACY_WEIGHTS_FILE, WEIGHTS_FILE
 
 
 @dataclass

@@ -570,7 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     print(describe_machine(machine))
     print(format_table(rows, COLUMNS))
     configure(decoder, draft_model, args.prompt_lookup, Mode("hybrid", "auto", 0.0))
-    round_costs = decoder.auto.measure_costs(decoder, prompt_ids[0].tolist())
+    round_costs = decoder.auto.measure_costs(
+        decoder.model, decoder.draft_model, decoder.prompt_lookup, prompt_ids[0].tolist()
+    )
     extra = {
         "model": str(model_path),
         "draft_model": str(draft_path),

@@ -38,7 +38,8 @@ from mlx.utils import tree_flatten
 import convert
 from cli import POSITIVE, ArgumentParser
 from decoder import SpeculativeDecoder
-from loading import is_converted, load_tokenizer
+from layout import is_converted
+from loading import load_tokenizer
 from model import load_model
 
 PRECISIONS = {

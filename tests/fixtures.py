@@ -569,7 +569,7 @@ def cheap_drafts(decoder, draft_cost: float = 0.1, judged: bool = False) -> None
     costs as much as its main model, so timed costs would rightly make auto
     draft little, and a test of drafting would test plain steps."""
     costs = auto_costs(draft_cost)
-    decoder.auto.measure_costs = lambda decoder, prompt_ids, batch_size=1: costs
+    decoder.auto.measure_costs = lambda *args, **kwargs: costs
     decoder.auto.round_times = UntimedRounds()
     if not judged:
         unjudged(decoder)

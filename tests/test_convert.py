@@ -25,13 +25,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 import convert
-from loading import (
-    LEGACY_WEIGHTS_FILE,
-    WEIGHTS_FILE,
-    is_converted,
-    load_tokenizer,
-    written_by_convert,
-)
+from layout import LEGACY_WEIGHTS_FILE, WEIGHTS_FILE, is_converted, written_by_convert
+from loading import load_tokenizer
 from model import (
     STACKED_PROJECTIONS,
     ModelArgs,

@@ -12,13 +12,8 @@ import torch
 from fixtures import load_hf, train_tokenizer
 
 from decoder import SpeculativeDecoder
-from drafting import trim_to
-from loading import (
-    IncompatibleDraftError,
-    check_draft_compatible,
-    check_draft_directories,
-    load_tokenizer,
-)
+from drafting import IncompatibleDraftError, check_draft_compatible, trim_to
+from loading import check_draft_directories, load_tokenizer
 from sampling import Sampling, verify
 
 PROMPTS = [

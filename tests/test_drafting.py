@@ -595,7 +595,9 @@ def test_auto_times_the_rounds_of_each_draft_source(decoding_pair):
         ]
     }
     costs = {
-        drafting: decoder.auto.measure_costs(decoder, prompt_ids)
+        drafting: decoder.auto.measure_costs(
+            decoder.model, decoder.draft_model, decoder.prompt_lookup, prompt_ids
+        )
         for drafting, decoder in decoders.items()
     }
     assert {drafting: sorted(c) for drafting, c in costs.items()} == {
