@@ -1,16 +1,20 @@
 """Regular and speculative decoding (Leviathan et al., arXiv 2211.17192) for T5 in MLX.
 
-One speculative round:
+Every token is the Gumbel-max choice argmax(log p + G) of the main model's
+distribution p with noise G drawn from the row's seed and the token's
+position alone (``sampling``). One speculative round:
 
-1. the draft model proposes ``g`` tokens x_1..x_g, one at a time, from its
-   distributions q_1..q_g;
+1. the draft model proposes ``g`` tokens x_1..x_g, one at a time, each
+   argmax(log q_i + G_i) of its own distribution with the same noise;
 2. the main model scores the last accepted token and x_1..x_g in one pass,
-   giving its distributions p_1..p_{g+1};
-3. each x_i is accepted in turn until the first rejection; the round then
-   adds one token of the main model's own: a replacement for the rejected
-   token, or one more token after x_g when all were accepted.
+   giving its distributions p_1..p_{g+1} and its tokens y_i = argmax(log p_i + G_i);
+3. each x_i is accepted in turn while x_i = y_i; the round then adds one
+   token of the main model's own: y_i at the first rejection, or y_{g+1}
+   when all were accepted.
 
-So every round costs one main-model pass and adds between 1 and g+1 tokens.
+A round adds only tokens regular decoding would have chosen, whatever was
+drafted: with a seed, the text is regular decoding's (see ``sampling.verify``).
+Every round costs one main-model pass and adds between 1 and g+1 tokens.
 The host waits once per round, for the accepted count and the next token.
 
 A batch of prompts runs the same rounds, all rows in each pass: every row
@@ -57,7 +61,7 @@ from drafting import (
     trim_to,
 )
 from model import T5, ModelArgs, Slices, encoder_passes, load_config
-from sampling import RowSampling, Sampling, row_key, split_keys, verify
+from sampling import Noise, RowSampling, Sampling, draw_seed, verify
 
 
 class IncompatibleDraftError(ValueError):
@@ -89,6 +93,7 @@ class GenerationResult:
     calibration_time: float = 0.0
     elapsed: float = 0.0  # seconds in all, from the start of the prompt's processing
     finished: bool = False  # the last result of this generation
+    seed: int = 0  # the seed of its noise: given, or drawn (it repeats the generation)
 
     @property
     def acceptance_rate(self) -> float:
@@ -183,10 +188,9 @@ class Row:
     prompt_ids: list[int]
     max_tokens: int
     sampling: Sampling
-    seed: int | None
+    seed: int  # its noise's (see sampling.Noise)
     sequence: list[int] = dataclasses.field(default_factory=list)  # start token + generated
     result: GenerationResult | None = None  # set when the row joins the batch
-    key: mx.array | None = None  # its stream of random numbers, from the seed
     start: float = 0.0  # time.perf_counter() when its prompt processing began
     # Its own draft tokens accepted and tested, per source and position (see DraftLength).
     acceptance: dict[str, np.ndarray] = dataclasses.field(default_factory=acceptance_counts)
@@ -324,9 +328,12 @@ class BatchGenerator:
         seed: int | None = None,
     ) -> int:
         """Queue ``prompt`` (text, or token ids) and return its uid, which
-        the events of ``next`` name. A seeded prompt draws the same random
-        numbers whatever else the batch holds."""
+        the events of ``next`` name. Without ``seed`` one is drawn from
+        MLX's random state (``result.seed`` names it). A seed fixes the
+        prompt's text: the text regular decoding gives it alone, whatever
+        else the batch holds and whatever drafts it (with delta 0)."""
         self.check_options(max_tokens, seed)
+        seed = draw_seed() if seed is None else seed
         row = Row(next(self.uids), self.decoder.prompt_ids(prompt), max_tokens, sampling, seed)
         self.waiting.append(row)
         return row.uid
@@ -376,16 +383,18 @@ class BatchGenerator:
         # keeps one rule where its rows share one.
         start = [decoder.model.args.decoder_start_token_id]
         # One stand-in for every free place: nothing of it is updated.
-        free = Row(-1, [], 1, live[0].sampling, seed=None, sequence=start, key=GREEDY_KEY)
+        free = Row(-1, [], 1, live[0].sampling, seed=0, sequence=start)
         rows = [row or free for row in self.rows]
         sampling = RowSampling([row.sampling for row in rows])
         sequences = [row.sequence for row in rows]
         # Never propose more tokens than a row may still generate.
         limits = [row.max_tokens - len(row.result.tokens) - 1 if row.result else 0 for row in rows]
-        verify_keys = draft_keys = next_keys = None
+        noise = None
         if not sampling.greedy:
-            row_keys = mx.stack([row.key for row in rows])
-            next_keys, verify_keys, draft_keys = split_keys(row_keys, 3)
+            # Each row's noise at its next output positions, from its seed alone.
+            positions = [len(row.result.tokens) if row.result else 0 for row in rows]
+            seeds = [row.seed for row in rows]
+            noise = Noise(sampling, seeds, positions, decoder.model.args.vocab_size)
         draft = None
         encoded_before = self.drafter.encoding_time if self.drafter is not None else 0.0
         if self.drafter is not None and not self.draft_length.allows_drafting(len(rows)):
@@ -402,7 +411,7 @@ class BatchGenerator:
                 rows=drafting_rows,
                 start_cost=self._draft_start_cost(live, limits),
             )
-            draft = self.drafter.propose(sequences, sampling, choose, limits, draft_keys)
+            draft = self.drafter.propose(sequences, sampling, choose, limits, noise)
         draft = draft or Draft.empty(len(rows))
         # The main cache holds every accepted position of a row but its
         # last token, which is the next input.
@@ -411,14 +420,13 @@ class BatchGenerator:
         logits = decoder.model.decode(inputs, self.main_cache)
         num_accepted, next_tokens = verify(
             draft.tokens,
-            draft.probs,
             logits,
             sampling,
             decoder.delta,
             mx.array(draft.lengths),
-            verify_keys,
+            None if noise is None else noise.first(draft.tokens.shape[1] + 1),
         )
-        mx.eval(num_accepted, next_tokens, draft.tokens, next_keys)
+        mx.eval(num_accepted, next_tokens, draft.tokens)
 
         self.rounds += 1
         # A lazy drafter's first proposal encoded the live rows' prompts:
@@ -434,8 +442,6 @@ class BatchGenerator:
         ):
             if row.result is None:  # a free place
                 continue
-            if next_keys is not None:
-                row.key = next_keys[i]
             num_draft = draft.lengths[i]
             new_tokens = draft_tokens[:accepted] + [next_token]
             rejected = accepted < num_draft
@@ -656,12 +662,12 @@ class BatchGenerator:
             calibration_time = self._calibrate(sorted(first, key=lambda row: row.uid))
         for place, row in zip(places, joining):
             row.sequence = [self.decoder.model.args.decoder_start_token_id]
-            row.key = row_key(row.seed) if not row.sampling.greedy else GREEDY_KEY
             row.result = GenerationResult(
                 [],
                 prompt_tokens=len(row.prompt_ids),
                 prompt_time=prompt_time,
                 calibration_time=calibration_time,
+                seed=row.seed,
             )
             self.rows[place] = row
         # Cancelled while encoding; another row of the pass is live.
@@ -712,11 +718,6 @@ class BatchGenerator:
         )
         self.draft_length = DraftLength(decoder.num_draft, costs, earlier, times, deliveries)
         return time.perf_counter() - tic if decoder.num_draft == "auto" else 0.0
-
-
-# Greedy rows draw nothing; a batch that samples in other rows splits this
-# key for them too, and never uses what it gives.
-GREEDY_KEY = mx.random.key(0)
 
 
 def snapshot(result: GenerationResult) -> GenerationResult:
@@ -808,16 +809,13 @@ class SpeculativeDecoder:
     def drafter(self, prompts: list[list[int]], cache: DecoderCache | None = None):
         """A drafter for a batch of ``prompts`` (token ids); ``cache``: the
         draft model's cache of them, where encoded already."""
-        vocab_size = self.model.args.vocab_size
         if self.drafting == "prompt lookup":
-            return PromptLookupDrafter(prompts, vocab_size, self.prompt_lookup)
+            return PromptLookupDrafter(prompts, self.prompt_lookup)
         model_drafter = ModelDrafter(self.draft_model, prompts, self.lazy_drafting, cache)
         if self.drafting == "draft model":
             return model_drafter
         # Single-token matches are weak; the draft model does better there.
-        lookup = PromptLookupDrafter(
-            prompts, vocab_size, self.prompt_lookup, min(2, self.prompt_lookup)
-        )
+        lookup = PromptLookupDrafter(prompts, self.prompt_lookup, min(2, self.prompt_lookup))
         return HybridDrafter(lookup, model_drafter)
 
     def measure_costs(
@@ -880,9 +878,10 @@ class SpeculativeDecoder:
         finishes (end of sequence or ``max_tokens``) leaves the batch and
         the next waiting prompt takes its place. Regular decoding
         (``speculative=False``, or nothing to draft with) is the same loop
-        with no draft tokens. With ``seed``,
-        every prompt draws the random numbers it would draw alone, so it
-        gets the text it gets alone (for a fixed ``num_draft``).
+        with no draft tokens. With ``seed`` (else one is drawn per
+        prompt: ``result.seed``), every prompt gets the text regular
+        decoding gives it alone with that seed, whatever the batch, the
+        drafter and ``num_draft`` (with delta 0).
         ``prompt_progress(done, total)`` follows the encoding of prompts:
         called with 0, then after each encoder layer (main and draft
         models, each padded pass), whenever prompts join the batch."""
