@@ -3,7 +3,12 @@ the round, its results, and the API.
 
 ``speculative_round`` is the algorithm: a drafter proposes up to g tokens,
 the main model scores them all in one pass, ``sampling.verify`` accepts a
-prefix of them and adds one token of the main model's own. A round costs
+prefix of them and adds one token of the main model's own. Every token is
+the Gumbel-max choice argmax(log p + G) of its distribution p, with noise G
+drawn from the row's seed and the token's position alone: the draft model
+proposes argmax(log q + G) with the same noise, and a draft token is
+accepted exactly when it is the main model's choice, so that a round adds
+the tokens plain decoding would, whatever was drafted. A round costs
 one main-model pass and adds 1 to g + 1 tokens; the host waits once per
 round. A batch's rows run the same rounds, each with its own draft tokens
 and its own number accepted (the caches keep a length per row);
@@ -37,7 +42,7 @@ from drafting import (
     trim_to,
 )
 from model import T5
-from sampling import RowSampling, Sampling, verify
+from sampling import Noise, RowSampling, Sampling, verify
 
 if TYPE_CHECKING:
     from scheduler import BatchGenerator
@@ -52,8 +57,7 @@ def speculative_round(
     limits: list[int],
     sampling: RowSampling,
     delta: float,
-    draft_keys: mx.array | None,
-    verify_keys: mx.array | None,
+    noise: Noise | None,
     eos: int,
 ) -> RoundOutcome:
     """One round over every row of a batch: draft up to g tokens, score them
@@ -63,12 +67,13 @@ def speculative_round(
     may add ``limits[i] + 1`` more; ``cache``, the main model's, holds every
     position of it but the last token, the pass's first input. ``drafter``
     proposes ``budget(source)`` tokens per row (None: a plain decoding
-    step); ``verify`` decides, by ``sampling`` and ``delta``.
+    step) with the rows' ``noise`` at their next positions (None: every row
+    greedy); ``verify`` decides, by ``sampling`` and ``delta``.
     """
-    # Draft: x_1 .. x_g per row (fewer where a row may add fewer), from q_1 .. q_g.
+    # Draft: x_1 .. x_g per row (fewer where a row may add fewer).
     draft = None
     if drafter is not None and max(limits) > 0:
-        draft = drafter.propose(sequences, sampling, budget, limits, draft_keys)
+        draft = drafter.propose(sequences, sampling, budget, limits, noise)
     draft = draft or Draft.empty(len(sequences))
     # Trim: the cache drops the positions the last round rejected (and a
     # freed row's), back to each row's accepted tokens.
@@ -79,9 +84,9 @@ def speculative_round(
     # Accept x_1 .. x_n, up to the first rejection, then one token of the
     # main model's own: the recovered token in place of x_{n+1}, or the
     # bonus token after x_g when all were accepted.
-    num_accepted, next_tokens = verify(
-        draft.tokens, draft.probs, logits, sampling, delta, mx.array(draft.lengths), verify_keys
-    )
+    positions = None if noise is None else noise.first(draft.tokens.shape[1] + 1)
+    lengths = mx.array(draft.lengths)
+    num_accepted, next_tokens = verify(draft.tokens, logits, sampling, delta, lengths, positions)
     mx.eval(num_accepted, next_tokens, draft.tokens)  # the host waits once per round
     outcome = RoundOutcome(draft)
     rounds = zip(num_accepted.tolist(), next_tokens.tolist(), draft.tokens.tolist(), draft.lengths)
@@ -121,8 +126,8 @@ class RoundOutcome:
 class Options:
     """How a prompt is decoded: at most ``max_tokens`` new tokens, sampled
     at ``temp`` (0: greedy) from the ``top_k`` likeliest tokens (0: all)
-    holding ``top_p`` of the probability, with the random numbers of
-    ``seed`` (None: MLX's random state)."""
+    holding ``top_p`` of the probability, with the noise of ``seed``
+    (None: one drawn from MLX's random state, named by ``result.seed``)."""
 
     max_tokens: int = 100
     temp: float = 0.0
@@ -163,6 +168,7 @@ class GenerationResult:
     calibration_time: float = 0.0
     elapsed: float = 0.0  # seconds in all, from the start of the prompt's processing
     finished: bool = False  # the last result of this generation
+    seed: int = 0  # the seed of its noise: given, or drawn (it repeats the generation)
 
     @property
     def acceptance_rate(self) -> float:
@@ -260,9 +266,8 @@ class SpeculativeDecoder:
     def drafter(self, prompts: list[list[int]], cache: DecoderCache | None = None) -> Drafter:
         """A drafter for a batch of ``prompts`` (token ids); ``cache``: the
         draft model's cache of them, where encoded already."""
-        vocab_size = self.model.args.vocab_size
         return make_drafter(
-            self.draft_model, self.prompt_lookup, vocab_size, prompts, self.lazy_drafting, cache
+            self.draft_model, self.prompt_lookup, prompts, self.lazy_drafting, cache
         )
 
     def draft_length(
@@ -304,9 +309,10 @@ class SpeculativeDecoder:
         (``longest_first``). A prompt that finishes (end of sequence or
         ``max_tokens``) leaves the batch and the next waiting prompt takes
         its place. Regular decoding (``speculative=False``, or nothing to
-        draft with) is the same loop with no draft tokens. With ``seed``,
-        every prompt draws the random numbers it would draw alone, so it
-        gets the text it gets alone (for a fixed ``num_draft``).
+        draft with) is the same loop with no draft tokens. With ``seed``
+        (else one is drawn per prompt: ``result.seed``), every prompt gets
+        the text regular decoding gives it alone with that seed, whatever
+        the batch, the drafter or the draft length (with ``delta`` 0).
         ``prompt_progress(done, total)`` follows the encoding of prompts:
         called with 0, then after each encoder layer (main and draft
         models, each padded pass), whenever prompts join the batch."""

@@ -3,9 +3,11 @@
 A drafter proposes draft tokens for every row of a batch at once:
 ``ModelDrafter`` (a small model), ``PromptLookupDrafter`` (the tokens that
 followed an earlier occurrence of the output's last n-gram, no model at all)
-or ``HybridDrafter`` (lookup where it matches, the model elsewhere). A
-lookup draft is a point mass: its proposal distribution q is one-hot, so
-``decoder.verify`` needs no rule of its own for it.
+or ``HybridDrafter`` (lookup where it matches, the model elsewhere). The
+draft model proposes with the main model's rule and noise (``sampling``):
+its token is argmax(log q + G) where the main model's is argmax(log p + G),
+so that it is accepted exactly when the two agree. ``sampling.verify``
+judges every draft token alike, whoever proposed it.
 
 Every drafter is a ``Drafter``. A ``DraftLength`` says how many tokens a
 round drafts: ``FixedDraftLength``, or ``auto.AutoDraftLength`` for
@@ -27,7 +29,7 @@ import mlx.core as mx
 
 from cache import DecoderCache
 from model import T5, ModelArgs
-from sampling import RowSampling, split_keys
+from sampling import Noise, RowSampling
 
 
 class IncompatibleDraftError(ValueError):
@@ -70,7 +72,6 @@ class Draft:
     """Tokens proposed for one round, for every row of the batch."""
 
     tokens: mx.array  # [B, g]: each row's tokens, right-padded with 0 past its length
-    probs: mx.array | None  # [B, g, vocabulary], zero past each row's length; None when greedy
     lengths: list[int]  # per row: tokens proposed (<= g)
     sources: list[str]  # per row: whose acceptance estimate the round updates
     # Tokens the draft model's cache caught up on before drafting (the most
@@ -80,9 +81,7 @@ class Draft:
     @classmethod
     def empty(cls, batch_size: int) -> Draft:
         """No draft token for any row: the round is a plain decoding step."""
-        return cls(
-            mx.zeros((batch_size, 0), mx.int32), None, [0] * batch_size, ["none"] * batch_size
-        )
+        return cls(mx.zeros((batch_size, 0), mx.int32), [0] * batch_size, ["none"] * batch_size)
 
 
 class Drafter(Protocol):
@@ -97,11 +96,12 @@ class Drafter(Protocol):
         sampling: RowSampling,
         budget: Callable[[str], int],
         limits: list[int],
-        keys: mx.array | None = None,
+        noise: Noise | None = None,
     ) -> Draft | None:
         """Up to ``budget(source)`` tokens for each row of ``sequences`` (its
-        start token and tokens so far), at most ``limits[i]`` for row i;
-        None when no row gets any."""
+        start token and tokens so far), at most ``limits[i]`` for row i,
+        drafted with the rows' ``noise`` (None: greedy); None when no row
+        gets any."""
 
     def admit(
         self, rows: list[int], prompts: list[list[int]], cache: DecoderCache | None = None
@@ -246,12 +246,12 @@ class ModelDrafter:
         sampling: RowSampling,
         budget: Callable[[str], int],
         limits: list[int],
-        keys: mx.array | None = None,
+        noise: Noise | None = None,
     ) -> Draft | None:
         """``budget("model")`` tokens per row, at most ``limits[i]`` for row
         i, without waiting for them (the last one is not fed back); None
-        when no row gets any. Row i's j-th token is drawn with the j-th key
-        split off ``keys[i]``, however many tokens the round drafts."""
+        when no row gets any. Row i's j-th token is argmax(log q + G) with
+        G its ``noise`` at offset j (None: no noise, every row greedy)."""
         num_draft = min(budget(self.source), max(limits))
         if num_draft == 0:
             return None
@@ -261,26 +261,20 @@ class ModelDrafter:
             self.encoding_time += time.perf_counter() - tic
         pending = trim_to(self.cache, sequences)
         logits = decode_pending(self.model, self.cache, pending)
-        tokens, probs = [], []
+        tokens = []
         for step in range(num_draft):
-            step_keys = None
-            if keys is not None:
-                keys, step_keys = split_keys(keys, 2)
-            token, token_probs = sampling.sample(logits, step_keys)
+            step_noise = None if noise is None else noise.at(step)
+            token = mx.argmax(sampling.scores(logits, step_noise), axis=-1)
             # Start computing this token while Python builds the next step's
             # graph; nothing waits for it until the round's single eval.
             mx.async_eval(token)
             tokens.append(token)
-            probs.append(token_probs)
             if step < num_draft - 1:
                 logits = self.model.decode(token[:, None], self.cache)[:, -1]
         self.fed = num_draft - 1
         lengths = [min(num_draft, limit) for limit in limits]
-        draft_probs = None if sampling.greedy else mx.stack(probs, axis=1)
         sources = [self.source] * len(limits)
-        draft = Draft(
-            mx.stack(tokens, axis=1), draft_probs, lengths, sources, max(map(len, pending))
-        )
+        draft = Draft(mx.stack(tokens, axis=1), lengths, sources, max(map(len, pending)))
         return mask_past_lengths(draft)
 
     def withdraw(self, rows: list[bool]) -> None:
@@ -290,12 +284,10 @@ class ModelDrafter:
 
 
 def mask_past_lengths(draft: Draft) -> Draft:
-    """``draft`` with each row's tokens and probabilities past its length zeroed."""
+    """``draft`` with each row's tokens past its length zeroed."""
     width = draft.tokens.shape[1]
     kept = mx.arange(width) < mx.array(draft.lengths)[:, None]
     draft.tokens = mx.where(kept, draft.tokens, 0)
-    if draft.probs is not None:
-        draft.probs = mx.where(kept[..., None], draft.probs, 0.0)
     return draft
 
 
@@ -317,17 +309,14 @@ def find_continuation(tokens: list[int], max_ngram: int, min_ngram: int = 1) -> 
 class PromptLookupDrafter:
     """Drafts, for each row, the tokens that followed the output's last
     n-gram where it occurred before, in the prompt or in the output
-    (prompt-lookup decoding). The proposal is deterministic: a point mass."""
+    (prompt-lookup decoding). The proposal is deterministic: it needs no noise."""
 
     source = "lookup"
     encoding_time = 0.0  # it encodes nothing
     start_pending = False  # it has no model to start
 
-    def __init__(
-        self, prompts: list[list[int]], vocab_size: int, max_ngram: int, min_ngram: int = 1
-    ):
+    def __init__(self, prompts: list[list[int]], max_ngram: int, min_ngram: int = 1):
         self.prompts = [list(ids) for ids in prompts]
-        self.vocab_size = vocab_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def admit(
@@ -351,7 +340,7 @@ class PromptLookupDrafter:
         sampling: RowSampling,
         budget: Callable[[str], int],
         limits: list[int],
-        keys: mx.array | None = None,
+        noise: Noise | None = None,
     ) -> Draft | None:
         """Up to ``budget("lookup")`` tokens per row, at most ``limits[i]``
         for row i; a row with no matching n-gram gets none. None when no
@@ -371,11 +360,8 @@ class PromptLookupDrafter:
             return None
         tokens = mx.array([row + [0] * (width - len(row)) for row in found])
         lengths = [len(row) for row in found]
-        probs = None
-        if not sampling.greedy:
-            probs = (mx.arange(self.vocab_size) == tokens[..., None]).astype(mx.float32)
         sources = [self.source if n else "none" for n in lengths]
-        return mask_past_lengths(Draft(tokens, probs, lengths, sources))
+        return mask_past_lengths(Draft(tokens, lengths, sources))
 
 
 class HybridDrafter:
@@ -414,12 +400,12 @@ class HybridDrafter:
         sampling: RowSampling,
         budget: Callable[[str], int],
         limits: list[int],
-        keys: mx.array | None = None,
+        noise: Noise | None = None,
     ) -> Draft | None:
         looked_up = self.lookup.propose(sequences, sampling, budget, limits)
         if looked_up is not None and all(looked_up.lengths):
             return looked_up
-        modelled = self.model.propose(sequences, sampling, budget, limits, keys)
+        modelled = self.model.propose(sequences, sampling, budget, limits, noise)
         if looked_up is None or modelled is None:
             return looked_up or modelled
         use_lookup = [n > 0 for n in looked_up.lengths]
@@ -430,7 +416,6 @@ class HybridDrafter:
 def make_drafter(
     draft_model: T5 | None,
     prompt_lookup: int,
-    vocab_size: int,
     prompts: list[list[int]],
     lazy: bool = False,
     cache: DecoderCache | None = None,
@@ -439,30 +424,21 @@ def make_drafter(
     not, its ``cache`` of the prompts where encoded already), prompt lookup
     of n-grams up to ``prompt_lookup`` tokens (0: none), or both."""
     if draft_model is None:
-        return PromptLookupDrafter(prompts, vocab_size, prompt_lookup)
+        return PromptLookupDrafter(prompts, prompt_lookup)
     model_drafter = ModelDrafter(draft_model, prompts, lazy, cache)
     if not prompt_lookup:
         return model_drafter
     # Single-token matches are weak; the draft model does better there.
-    lookup = PromptLookupDrafter(prompts, vocab_size, prompt_lookup, min(2, prompt_lookup))
+    lookup = PromptLookupDrafter(prompts, prompt_lookup, min(2, prompt_lookup))
     return HybridDrafter(lookup, model_drafter)
 
 
 def merge_drafts(first: Draft, second: Draft, use_first: list[bool]) -> Draft:
     """Row i of ``first`` where ``use_first[i]``, of ``second`` elsewhere."""
     width = max(first.tokens.shape[1], second.tokens.shape[1])
-    chosen = mx.array(use_first)
-
-    def pick(a: mx.array, b: mx.array) -> mx.array:
-        padded = [
-            mx.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2)) for x in (a, b)
-        ]
-        return mx.where(chosen.reshape(-1, *[1] * (a.ndim - 1)), *padded)
-
-    probs = None if first.probs is None else pick(first.probs, second.probs)
+    padded = [mx.pad(d.tokens, [(0, 0), (0, width - d.tokens.shape[1])]) for d in (first, second)]
     return Draft(
-        pick(first.tokens, second.tokens),
-        probs,
+        mx.where(mx.array(use_first)[:, None], *padded),
         [a if use else b for a, b, use in zip(first.lengths, second.lengths, use_first)],
         [a if use else b for a, b, use in zip(first.sources, second.sources, use_first)],
         max(first.caught_up, second.caught_up),

@@ -17,7 +17,7 @@ input order, each as soon as it and those before it are done; a line break
 in a text is written as the two characters \n (a carriage return \r, a
 backslash \\), so line i is always prompt i's text. With --output FILE, a new
 file, each prompt's JSON object ({"index", "text", "tokens", "n_accepted",
-"n_draft"}) is written and flushed as soon as it is done, in completion
+"n_draft", "seed"}) is written and flushed as soon as it is done, in completion
 order, and nothing else goes to standard output.
 """
 
@@ -98,7 +98,7 @@ def build_parser() -> ArgumentParser:
         metavar="FILE",
         help="with --prompts: write the results to FILE (a new file; -: standard output) "
         "as JSON Lines "
-        '({"index", "text", "tokens", "n_accepted", "n_draft"}), each line as soon as its '
+        '({"index", "text", "tokens", "n_accepted", "n_draft", "seed"}), each line as soon as its '
         "prompt is done (so in completion order); nothing then goes to standard output",
     )
     add_drafting_options(parser, num_draft_default=5)
@@ -116,7 +116,12 @@ def build_parser() -> ArgumentParser:
         help="nucleus mass, in (0, 1]",
     )
     add("--top-k", type=NON_NEGATIVE, default=0, help="sample among the k likeliest (0: all)")
-    add("--seed", type=seed, default=0, help="random seed for sampling, an integer in [0, 2**64)")
+    add(
+        "--seed",
+        type=seed,
+        help="random seed for sampling, an integer in [0, 2**64) (default: drawn, and named "
+        "in the summary)",
+    )
     add("--regular-decode", action="store_true", help="decode with the main model alone")
     add("--show-draft", action="store_true", help="colour accepted draft tokens on a terminal")
     return parser
@@ -151,24 +156,25 @@ def calibration_summary(seconds: float, num_draft: int | str) -> list[str]:
     return [f"Calibration: {seconds:.1f} s (auto's one-time cost measurement)"]
 
 
-def print_summary(result, drafting: str, num_draft: int | str) -> None:
+def print_summary(result, drafting: str, num_draft: int | str, sampled: bool = False) -> None:
     """The numbers of a run, in mlx-lm's layout (prompt and generation apart),
-    on standard error: standard output is the generated text alone."""
+    on standard error: standard output is the generated text alone. A
+    ``sampled`` run names its seed."""
     lines = [
         "=" * 40,
         f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tokens_per_second:.1f} tokens/s",
         f"Generation: {len(result.tokens)} tokens, {result.tokens_per_second:.1f} tokens/s",
         f"Main-model passes: {result.n_steps}",
     ]
-    print("\n".join(lines + summary_end(result, drafting, num_draft)), file=sys.stderr)
+    print("\n".join(lines + summary_end(result, drafting, num_draft, sampled)), file=sys.stderr)
 
 
-def summary_end(result, drafting: str, num_draft: int | str) -> list[str]:
-    """The summary's last lines: acceptance and drafting when drafting,
-    auto's calibration, peak memory."""
+def summary_end(result, drafting: str, num_draft: int | str, sampled: bool) -> list[str]:
+    """The summary's last lines: the seed when ``sampled``, acceptance and
+    drafting when drafting, auto's calibration, peak memory."""
     import mlx.core as mx
 
-    lines = []
+    lines = [f"Seed: {result.seed}"] if sampled else []
     if drafting != "none":
         lines.append(
             f"Draft tokens accepted: {result.n_accepted}/{result.n_draft} "
@@ -181,12 +187,17 @@ def summary_end(result, drafting: str, num_draft: int | str) -> list[str]:
 
 
 def print_batch_summary(
-    results: dict, num_prompts: int, wall_time: float, drafting: str, num_draft: int | str
+    results: dict,
+    num_prompts: int,
+    wall_time: float,
+    drafting: str,
+    num_draft: int | str,
+    seed: int | None = None,
 ) -> None:
     """The numbers of a --prompts run (``results``: each started prompt's
     latest result, by index), on standard error: throughput is generated
     tokens per second of wall time since loading; prompt processing is
-    counted apart too."""
+    counted apart too. With ``seed``, the seed every prompt sampled with."""
     from decoder import GenerationResult
 
     started = list(results.values())
@@ -201,6 +212,7 @@ def print_batch_summary(
         prompt_time=sum(result.prompt_time for result in started),
         # Measured once, before the first batch; its rows each carry it.
         calibration_time=max((result.calibration_time for result in started), default=0.0),
+        seed=seed or 0,
     )
     finished = sum(result.finished for result in started)
     generated = len(total.tokens)
@@ -216,7 +228,8 @@ def print_batch_summary(
         + f"({decoding_time:.1f} s of wall time after loading)",
         f"Main-model passes: {total.n_steps} (counted per prompt)",
     ]
-    print("\n".join(lines + summary_end(total, drafting, num_draft)), file=sys.stderr)
+    sampled = seed is not None
+    print("\n".join(lines + summary_end(total, drafting, num_draft, sampled)), file=sys.stderr)
 
 
 def new_text(result, tokenizer, printed: str, num_printed: int, show_draft: bool) -> str:
@@ -322,6 +335,7 @@ class JsonLines:
             "tokens": result.tokens,
             "n_accepted": result.n_accepted,
             "n_draft": result.n_draft,
+            "seed": result.seed,
         }
         self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.file.flush()
@@ -341,6 +355,10 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from loading import check_memory, load_decoder, load_tokenizer, model_paths
+    from sampling import draw_seed
+
+    if args.seed is None:  # drawn, so that the summary can name it
+        args.seed = draw_seed()
 
     paths = model_paths(args.model_name, draft_model_name(args))
     tokenizer = load_tokenizer(paths[0])
@@ -465,7 +483,7 @@ def generate_one(args: argparse.Namespace, decoder, prompt: str) -> int:
     if interrupted:
         print("interrupted", file=sys.stderr)
     if result is not None:
-        print_summary(result, decoder.drafting, args.num_draft)
+        print_summary(result, decoder.drafting, args.num_draft, sampled=args.temp > 0)
     return 130 if interrupted else 0
 
 
@@ -532,7 +550,8 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str]) -> int:
             "(--output FILE keeps every finished prompt)",
             file=sys.stderr,
         )
-    print_batch_summary(results, len(prompts), wall_time, decoder.drafting, args.num_draft)
+    seed = args.seed if args.temp > 0 else None
+    print_batch_summary(results, len(prompts), wall_time, decoder.drafting, args.num_draft, seed)
     return 130 if interrupted else 0
 
 

@@ -1,17 +1,27 @@
-"""Choosing tokens from logits, and the acceptance rule of speculative decoding
-(Leviathan et al., arXiv 2211.17192).
+"""Choosing tokens from logits, and the acceptance rule of speculative decoding.
 
-Every row of a batch has its own settings (``Sampling``) and its own stream of
-random numbers (a key per row, from which each round draws), so that rows with
-different temperatures share one pass and a seeded row draws the same numbers
-whatever else is in its batch. Greedy decoding is the point-mass case of
-sampling: its distribution is one-hot at the argmax.
+Every token is chosen by the Gumbel-max rule: the token at a row's output
+position t is argmax(log p_t + G_t), where p_t is the row's sampling
+distribution there and G_t is Gumbel noise over the vocabulary drawn from
+the row's seed and t alone. That is an exact sample of p_t, and which
+sample it is depends on nothing else: not on the round, the draft length,
+the drafter or the other rows of the batch. Drafters propose with the same
+noise and the verify pass accepts a draft token when it is the main model's
+own choice, so a seed gives the text of plain decoding whatever drafts it
+(Daliri, Musco and Suresh, arXiv 2408.07978). Greedy decoding is the same
+rule without noise.
+
+Every row of a batch has its own settings (``Sampling``) and seed, so that
+rows with different temperatures share one pass.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 # First: the fast BLAS on Linux must load before mlx (see model.py).
 import cpu  # noqa: F401  # isort: skip
@@ -52,62 +62,47 @@ class Sampling:
         at the argmax when greedy)."""
         return RowSampling([self]).probabilities(logits)
 
-    def sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
-        """One token per row of ``logits`` [B, vocabulary], from MLX's global
-        random state, and the distribution it was drawn from (None when greedy)."""
-        return RowSampling([self]).sample(logits)
+
+def draw_seed() -> int:
+    """A seed for a row given none, from MLX's random state (which belongs
+    to the thread that draws)."""
+    high, low = mx.random.randint(0, 2**31, shape=(2,)).tolist()
+    return high << 31 | low
 
 
-def split_keys(keys: mx.array, num: int) -> list[mx.array]:
-    """``num`` independent keys [B, 2] from every row's key in ``keys`` [B, 2]."""
-    split = mx.vmap(lambda key: mx.random.split(key, num))(keys)
-    return [split[:, i] for i in range(num)]
+# SplitMix64 (Steele, Lea and Flood, 2014): its increment and its finalizer,
+# a bijection of 64-bit integers that mixes every input bit into every output bit.
+SPLITMIX_INCREMENT = np.uint64(0x9E3779B97F4A7C15)
 
 
-def row_key(seed: int | None) -> mx.array:
-    """A row's random key: from ``seed``, or without one from MLX's random
-    state (which belongs to the thread that draws)."""
-    if seed is None:
-        high, low = mx.random.randint(0, 2**31, shape=(2,)).tolist()
-        seed = high << 31 | low
-    return mx.random.key(seed)
+def _splitmix(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
-def position_keys(keys: mx.array, num: int) -> mx.array:
-    """A key [B, num, 2] per row and position, split off each row's key in
-    ``keys`` [B, 2] one after another, so that position j gets the same key
-    however many positions a round has."""
-    chain = []
-    for _ in range(num):
-        keys, key = split_keys(keys, 2)
-        chain.append(key)
-    return mx.stack(chain, axis=1)
+def noise_keys(seeds: Sequence[int], positions: Sequence[int]) -> mx.array:
+    """The random key [B, 2] of the noise of row i (seed ``seeds[i]``) at
+    output position ``positions[i]``. For seed s and position t it is the
+    (t + 1)-th output of SplitMix64 whose state starts at s mixed: it
+    depends on s and t alone, and nearby seeds and positions get unrelated
+    keys."""
+    start = _splitmix(np.array(seeds, dtype=np.uint64))
+    steps = np.array(positions, dtype=np.uint64) + np.uint64(1)
+    bits = _splitmix(start + steps * SPLITMIX_INCREMENT)
+    halves = np.stack([bits >> np.uint64(32), bits & np.uint64(0xFFFFFFFF)], axis=-1)
+    return mx.array(halves.astype(np.uint32))
 
 
-def _per_key(draw, keys: mx.array):
-    """``draw(key, ...)`` mapped over every key of ``keys`` [..., 2]."""
+def gumbel(keys: mx.array, vocab_size: int) -> mx.array:
+    """Gumbel noise [..., vocab_size], drawn with each key of ``keys`` [..., 2]."""
+
+    def draw(key: mx.array) -> mx.array:
+        return mx.random.gumbel(shape=(vocab_size,), key=key)
+
     for _ in range(keys.ndim - 1):
         draw = mx.vmap(draw)
-    return draw
-
-
-def uniform(keys: mx.array | None, shape: tuple[int, ...]) -> mx.array:
-    """Uniform numbers in [0, 1) of ``shape``, each drawn with its own key of
-    ``keys`` [*shape, 2] (None: from the global random state)."""
-    if keys is None:
-        return mx.random.uniform(shape=shape)
-    return _per_key(lambda key: mx.random.uniform(key=key), keys)(keys)
-
-
-def categorical(keys: mx.array | None, probs: mx.array) -> mx.array:
-    """One index per distribution over the last axis of ``probs`` [..., V],
-    each drawn with its own key of ``keys`` [..., 2] (None: the global
-    random state)."""
-    log_probs = mx.log(probs)
-    if keys is None:
-        return mx.random.categorical(log_probs)
-    draw = _per_key(lambda key, row: mx.random.categorical(row, key=key), keys)
-    return draw(keys, log_probs)
+    return draw(keys)
 
 
 class RowSampling:
@@ -118,10 +113,11 @@ class RowSampling:
         self.greedy = all(s.greedy for s in self.settings)  # the argmax fast path
         self.any_greedy = any(s.greedy for s in self.settings)
         self.greedy_rows = [s.greedy for s in self.settings]
-        # Greedy rows divide by 1: their logits are only used for the argmax.
+        # Greedy rows divide by 1: their logits are only compared with each other.
         self.temps = [s.temp or 1.0 for s in self.settings]
-        self.top_k = [s.top_k for s in self.settings]
-        self.top_p = [s.top_p for s in self.settings]
+        # Greedy rows keep every token: delta's relaxation weighs them all.
+        self.top_k = [0 if s.greedy else s.top_k for s in self.settings]
+        self.top_p = [1.0 if s.greedy else s.top_p for s in self.settings]
 
     @classmethod
     def of(cls, sampling: Sampling | RowSampling) -> RowSampling:
@@ -137,13 +133,14 @@ class RowSampling:
             return mx.array(values[0])
         return mx.array(values).reshape(-1, *[1] * (ndim - 1))
 
-    def probabilities(self, logits: mx.array) -> mx.array:
+    def log_weights(self, logits: mx.array) -> mx.array:
         """Each row's sampling distribution over the last axis of ``logits``
-        [B, ..., vocabulary]; one-hot at the argmax in greedy rows."""
-        vocab_size = logits.shape[-1]
-        argmax_one_hot = mx.arange(vocab_size) == mx.argmax(logits, axis=-1, keepdims=True)
+        [B, ..., vocabulary], as logits: log p plus a constant per
+        distribution, -inf outside the row's top-k and top-p. Greedy rows'
+        logits as they are: their argmax is the greedy token."""
         if self.greedy:
-            return argmax_one_hot.astype(mx.float32)
+            return logits
+        vocab_size = logits.shape[-1]
         logits = logits.astype(mx.float32) / self._per_row(self.temps, logits.ndim)
         if any(0 < k < vocab_size for k in self.top_k):
             descending = -mx.sort(-logits, axis=-1)
@@ -151,42 +148,72 @@ class RowSampling:
             index = mx.broadcast_to(self._per_row(kth, logits.ndim), logits.shape[:-1] + (1,))
             kth_largest = mx.take_along_axis(descending, index, axis=-1)
             logits = mx.where(logits < kth_largest, -mx.inf, logits)
-        probs = mx.softmax(logits, axis=-1)
         if any(p < 1 for p in self.top_p):
             top_p = self._per_row(self.top_p, logits.ndim)
+            probs = mx.softmax(logits, axis=-1)
             descending = -mx.sort(-probs, axis=-1)
             mass_before = mx.cumsum(descending, axis=-1) - descending
             # The smallest kept probability: tokens before it hold < top_p.
             num_kept = (mass_before < top_p).sum(axis=-1, keepdims=True)
             smallest_kept = mx.take_along_axis(descending, num_kept - 1, axis=-1)
-            nucleus = mx.where(probs < smallest_kept, 0.0, probs)
-            nucleus = nucleus / nucleus.sum(axis=-1, keepdims=True)
-            probs = mx.where(top_p < 1, nucleus, probs)
+            logits = mx.where((top_p < 1) & (probs < smallest_kept), -mx.inf, logits)
+        return logits
+
+    def probabilities(self, logits: mx.array) -> mx.array:
+        """Each row's sampling distribution over the last axis of ``logits``
+        [B, ..., vocabulary]; one-hot at the argmax in greedy rows."""
+        argmax_one_hot = mx.arange(logits.shape[-1]) == mx.argmax(logits, axis=-1, keepdims=True)
+        if self.greedy:
+            return argmax_one_hot.astype(mx.float32)
+        probs = mx.softmax(self.log_weights(logits), axis=-1)
         if self.any_greedy:
             greedy_rows = self._per_row(self.greedy_rows, logits.ndim)
             probs = mx.where(greedy_rows, argmax_one_hot.astype(mx.float32), probs)
         return probs
 
-    def sample(
-        self, logits: mx.array, keys: mx.array | None = None
-    ) -> tuple[mx.array, mx.array | None]:
-        """One token per distribution in ``logits`` [B, ..., vocabulary], each
-        drawn with its key in ``keys`` [B, ..., 2] (None: the global random
-        state), and the distributions drawn from (None when every row is greedy)."""
-        if self.greedy:
-            return mx.argmax(logits, axis=-1), None
-        probs = self.probabilities(logits)
-        return categorical(keys, probs), probs
+    def scores(self, logits: mx.array, noise: mx.array | None) -> mx.array:
+        """log p + G for every row and position of ``logits`` [B, ..., vocabulary]
+        (up to a constant per distribution), ``noise`` being G (zero in greedy
+        rows; None: no noise, every row greedy). Its argmax is the token."""
+        weights = self.log_weights(logits)
+        return weights if noise is None else weights + noise
+
+
+class Noise:
+    """The Gumbel noise of one round: at offset j, each row's noise at its
+    output position ``positions[i] + j``, from its seed and that position
+    alone (``noise_keys``); zero in greedy rows. Each offset is drawn once,
+    for the drafter and the verify pass alike."""
+
+    def __init__(
+        self, sampling: RowSampling, seeds: Sequence[int], positions: Sequence[int], vocab: int
+    ):
+        self.seeds, self.positions, self.vocab_size = list(seeds), np.array(positions), vocab
+        self.greedy_rows = mx.array(sampling.greedy_rows)[:, None] if sampling.any_greedy else None
+        self.drawn: list[mx.array] = []
+
+    def at(self, offset: int) -> mx.array:
+        """The noise [B, vocabulary] at each row's position + ``offset``."""
+        while len(self.drawn) <= offset:
+            keys = noise_keys(self.seeds, self.positions + len(self.drawn))
+            noise = gumbel(keys, self.vocab_size)
+            if self.greedy_rows is not None:
+                noise = mx.where(self.greedy_rows, 0.0, noise)
+            self.drawn.append(noise)
+        return self.drawn[offset]
+
+    def first(self, num: int) -> mx.array:
+        """The noise [B, num, vocabulary] at offsets 0 .. ``num`` - 1."""
+        return mx.stack([self.at(offset) for offset in range(num)], axis=1)
 
 
 def verify(
     draft_tokens: mx.array,
-    draft_probs: mx.array | None,
     main_logits: mx.array,
     sampling: Sampling | RowSampling,
     delta: float,
     draft_lengths: mx.array | None = None,
-    keys: mx.array | None = None,
+    noise: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Decide, for every row of a batch, how many of its draft tokens the
     main model accepts, and the token that follows them.
@@ -194,56 +221,32 @@ def verify(
     ``draft_tokens`` is [B, g]; row i proposed its first ``draft_lengths[i]``
     (default: all g). ``main_logits`` is [B, g + 1, vocabulary]: position j
     scores the position of draft token j, position g the one after all of
-    them. ``sampling`` is one setting for every row or one per row; row i
-    draws its random numbers from ``keys[i]``, a key per position (None: the
-    global random state). Returns ``(num_accepted, next_token)``, each [B].
+    them. ``sampling`` is one setting for every row or one per row; ``noise``
+    [B, g + 1, vocabulary] is the Gumbel noise G of each row at those
+    positions (zero in greedy rows; None: no noise). Returns
+    ``(num_accepted, next_token)``, each [B].
 
-    Sampling (temp > 0): x_i is accepted when ``u * (1 - delta) * q(x) <= p(x)``
-    with u uniform in (0, 1]; for delta = 0 that is probability min(1, p/q),
-    the paper's rule, and a rejected token is replaced by a sample from
-    normalize(max(0, p - q)). Greedy (temp = 0): x_i is accepted when it is
-    the main model's argmax or, for delta > 0, when ``p(x) >= (1 - delta) *
-    max p`` with p the main model's softmax; a rejected token is replaced by
-    the argmax. In both, delta = 1 accepts every draft token. A row that
-    accepted all its draft tokens adds one sampled from p (its q is zero
-    past its length, so the residual there is p itself).
+    The rule: with s_j = log p_j + G_j (p_j the row's sampling distribution,
+    see ``RowSampling.scores``), the main model's token at position j is
+    y_j = argmax s_j. Draft token x_j is accepted when x_j = y_j or, for
+    delta > 0, when s_j(x_j) >= max s_j + log(1 - delta); the token after
+    the accepted ones is y_j at the first rejection, or y_g when every draft
+    token was accepted. Greedy rows are the same rule without noise (delta's
+    test is then p(x_j) >= (1 - delta) max p_j, p the softmax of the logits),
+    and delta = 1 accepts every draft token. At delta = 0 the tokens are
+    those of plain decoding with the same noise, whatever was drafted.
     """
-    batch_size, num_draft = draft_tokens.shape
     sampling = RowSampling.of(sampling)
-    acceptance_keys = candidate_keys = None
-    if keys is not None and not sampling.greedy:
-        # A key per position: a row draws what it would draw in a round of another length.
-        acceptance, candidate = split_keys(keys, 2)
-        acceptance_keys = position_keys(acceptance, num_draft) if num_draft else None
-        candidate_keys = position_keys(candidate, num_draft + 1)
-    if num_draft == 0:  # nothing to verify: an ordinary decoding step
-        return mx.zeros(batch_size, mx.int32), sampling.sample(main_logits, candidate_keys)[0][:, 0]
-    if not sampling.greedy:
-        probs = sampling.probabilities(main_logits)
-        p = mx.take_along_axis(probs[:, :num_draft], draft_tokens[..., None], axis=-1)[..., 0]
-        q = mx.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
-        u = 1 - uniform(acceptance_keys, (batch_size, num_draft))
-        accepted = u * (1 - delta) * q <= p
-        # Position i < g: the replacement should x_i be rejected; position g: the extra token.
-        residual = mx.maximum(probs[:, :num_draft] - draft_probs, 0)
-        candidates = categorical(
-            candidate_keys, mx.concatenate([residual, probs[:, num_draft:]], axis=1)
-        )
-    if sampling.any_greedy:
-        main_tokens = mx.argmax(main_logits, axis=-1)
-        greedy_accepted = draft_tokens == main_tokens[:, :num_draft]
-        if delta > 0:
-            probs = mx.softmax(main_logits[:, :num_draft].astype(mx.float32), axis=-1)
-            chosen = mx.take_along_axis(probs, draft_tokens[..., None], axis=-1)[..., 0]
-            greedy_accepted = greedy_accepted | (chosen >= (1 - delta) * probs.max(axis=-1))
-        if sampling.greedy:
-            accepted, candidates = greedy_accepted, main_tokens
-        else:
-            greedy_rows = mx.array(sampling.greedy_rows)[:, None]
-            accepted = mx.where(greedy_rows, greedy_accepted, accepted)
-            candidates = mx.where(greedy_rows, main_tokens, candidates)
+    num_draft = draft_tokens.shape[1]
+    scores = sampling.scores(main_logits, noise)
+    main_tokens = mx.argmax(scores, axis=-1)
+    accepted = draft_tokens == main_tokens[:, :num_draft]
+    if delta > 0 and num_draft:
+        drafted = mx.take_along_axis(scores[:, :num_draft], draft_tokens[..., None], axis=-1)
+        margin = math.log(1 - delta) if delta < 1 else -math.inf
+        accepted = accepted | (drafted[..., 0] >= scores[:, :num_draft].max(axis=-1) + margin)
     if draft_lengths is not None:
         accepted = accepted & (mx.arange(num_draft) < draft_lengths[:, None])
     num_accepted = mx.cumprod(accepted.astype(mx.int32), axis=1).sum(axis=1)
-    next_token = mx.take_along_axis(candidates, num_accepted[:, None], axis=1)[:, 0]
+    next_token = mx.take_along_axis(main_tokens, num_accepted[:, None], axis=1)[:, 0]
     return num_accepted, next_token

@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, TypeVar
 
 # First: the fast BLAS on Linux must load before mlx (see model.py).
 import cpu  # noqa: F401  # isort: skip
-import mlx.core as mx
 
 from cache import DecoderCache, compacted_rows
 from decoder import GenerationResult, RoundOutcome, speculative_round
 from detokenizer import StreamingDetokenizer
 from drafting import Drafter, DraftLength
 from model import Slices, encoder_passes
-from sampling import SEEDS, RowSampling, Sampling, is_seed, row_key, split_keys
+from sampling import SEEDS, Noise, RowSampling, Sampling, draw_seed, is_seed
 
 if TYPE_CHECKING:
     from decoder import SpeculativeDecoder
@@ -42,11 +41,10 @@ class Row:
     prompt_ids: list[int]
     max_tokens: int
     sampling: Sampling
-    seed: int | None
+    seed: int  # its noise's (see sampling.Noise)
     sequence: list[int] = dataclasses.field(default_factory=list)  # start token + generated
     result: GenerationResult | None = None  # set when the row joins the batch
     detokenizer: StreamingDetokenizer | None = None  # its text; set as it joins
-    key: mx.array | None = None  # its stream of random numbers, from the seed
     start: float = 0.0  # time.perf_counter() when its prompt processing began
 
 
@@ -201,9 +199,12 @@ class BatchGenerator:
         seed: int | None = None,
     ) -> int:
         """Queue ``prompt`` (text, or token ids) and return its uid, which
-        the events of ``next`` name. A seeded prompt draws the same random
-        numbers whatever else the batch holds."""
+        the events of ``next`` name. Without ``seed`` one is drawn from
+        MLX's random state (``result.seed`` names it). A seed fixes the
+        prompt's text: the text regular decoding gives it alone, whatever
+        else the batch holds and whatever drafts it (with delta 0)."""
         self.check_options(max_tokens, seed)
+        seed = draw_seed() if seed is None else seed
         row = Row(next(self.uids), self.decoder.prompt_ids(prompt), max_tokens, sampling, seed)
         self.waiting.append(row)
         return row.uid
@@ -253,10 +254,12 @@ class BatchGenerator:
         sampling = RowSampling([row.sampling for row in rows])
         # Never propose more tokens than a row may still generate.
         limits = [row.max_tokens - len(row.result.tokens) - 1 if row.result else 0 for row in rows]
-        next_keys = verify_keys = draft_keys = None
+        noise = None
         if not sampling.greedy:
-            row_keys = mx.stack([row.key for row in rows])
-            next_keys, verify_keys, draft_keys = split_keys(row_keys, 3)
+            # Each row's noise at its next output positions, from its seed alone.
+            positions = [len(row.result.tokens) if row.result else 0 for row in rows]
+            seeds = [row.seed for row in rows]
+            noise = Noise(sampling, seeds, positions, self.decoder.model.args.vocab_size)
         budget = None
         if self.drafter is not None and max(limits) > 0:
             budget = self.draft_length.plan(rows, limits, self.drafter)
@@ -271,8 +274,7 @@ class BatchGenerator:
             limits,
             sampling,
             self.decoder.delta,
-            draft_keys,
-            verify_keys,
+            noise,
             self.decoder.model.args.eos_token_id,
         )
         self.rounds += 1
@@ -282,7 +284,7 @@ class BatchGenerator:
         if self.drafter is not None:
             encoding_time = self.drafter.encoding_time - encoded_before
         # 4. Results: every live row takes its new tokens; finished rows leave.
-        events = self._deliver(rows, outcome, next_keys, encoding_time / len(live))
+        events = self._deliver(rows, outcome, encoding_time / len(live))
         # 5. Measure: what the round cost and delivered, for the draft length
         # and for the encoding of prompts that join.
         end = time.perf_counter()
@@ -304,26 +306,23 @@ class BatchGenerator:
         a live row does, so that the batch keeps one rule where its rows
         share one. One stand-in serves every free place: nothing of it is updated."""
         start = [self.decoder.model.args.decoder_start_token_id]
-        free = Row(-1, [], 1, live[0].sampling, seed=None, sequence=start, key=GREEDY_KEY)
+        free = Row(-1, [], 1, live[0].sampling, seed=0, sequence=start)
         return [row or free for row in self.rows]
 
     def _deliver(
         self,
         rows: list[Row],
         outcome: RoundOutcome,
-        next_keys: mx.array | None,
         prompt_seconds: float,
     ) -> list[tuple[int, GenerationResult]]:
-        """Give each live row of ``rows`` what ``outcome`` brought it, and
-        its next random key; a row that finished leaves. The events of the
-        round: a snapshot of every live row's result."""
+        """Give each live row of ``rows`` what ``outcome`` brought it; a row
+        that finished leaves. The events of the round: a snapshot of every
+        live row's result."""
         events = []
         draft = outcome.draft
         for i, row in enumerate(rows):
             if row.result is None:  # a free place
                 continue
-            if next_keys is not None:
-                row.key = next_keys[i]
             accepted, rejected, new_tokens = (
                 outcome.accepted[i],
                 outcome.rejected[i],
@@ -490,12 +489,12 @@ class BatchGenerator:
             calibration_time = self.draft_length.calibration_seconds
         for place, row in zip(places, joining):
             row.sequence = [self.decoder.model.args.decoder_start_token_id]
-            row.key = row_key(row.seed) if not row.sampling.greedy else GREEDY_KEY
             row.result = GenerationResult(
                 [],
                 prompt_tokens=len(row.prompt_ids),
                 prompt_time=prompt_time,
                 calibration_time=calibration_time,
+                seed=row.seed,
             )
             row.detokenizer = StreamingDetokenizer(self.decoder.tokenizer, self.decoder.byte_ids)
             self.rows[place] = row
@@ -522,11 +521,6 @@ class BatchGenerator:
             self.prompt_progress(next(done), total)
 
         return on_layer
-
-
-# Greedy rows draw nothing; a batch that samples in other rows splits this
-# key for them too, and never uses what it gives.
-GREEDY_KEY = mx.random.key(0)
 
 
 T = TypeVar("T")

@@ -594,6 +594,8 @@ def completion_body(job: Job, request_id: str, model: str, created: int, stream_
                 - result.n_accepted
                 - result.n_rejected,
             }
+            # The seed it sampled with, given or drawn: sent again, it repeats the text.
+            entry["seed"] = result.seed
         choices.append(entry)
     body = {
         "id": request_id,

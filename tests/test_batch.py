@@ -370,6 +370,10 @@ def test_rows_compacted_in_place_score_as_alone(decoding_pair):
             assert difference <= 1e-5 * max(np.abs(reference).max(), 1.0), row
 
 
+# The rows' seeds start here: not those of test_sampling_distribution's runs (0 up).
+ROW_SEEDS = 10_000
+
+
 def sample_rows(decoder, prompt=PROMPT, copies=RUNS) -> list[tuple]:
     """The first two tokens of ``copies`` rows of ``prompt``, decoded in
     batches of 16 among half as many rows of shorter and longer prompts."""
@@ -377,12 +381,15 @@ def sample_rows(decoder, prompt=PROMPT, copies=RUNS) -> list[tuple]:
     prompts = []
     for i in range(copies):
         prompts += [prompt] if i % 2 else [prompt, others[i // 2 % len(others)]]
-    # No seed: a seed would give every copy of the prompt the same random numbers.
-    mx.random.seed(0)
-    results = decoder.speculative_decode_batch(
-        prompts, batch_size=16, max_tokens=MAX_TOKENS, temp=TEMP
-    )
-    return [tuple(r.tokens[:2]) for p, r in zip(prompts, results) if p == prompt]
+    # A seed of its own per row: one seed would give every copy of the prompt the same text.
+    generator = decoder.batch_generator(max_batch_size=16)
+    sampling = Sampling(temp=TEMP)
+    uids = [
+        generator.insert(p, max_tokens=MAX_TOKENS, sampling=sampling, seed=ROW_SEEDS + i)
+        for i, p in enumerate(prompts)
+    ]
+    results = {uid: result for events in iter_rounds(generator) for uid, result in events}
+    return [tuple(results[uid].tokens[:2]) for p, uid in zip(prompts, uids) if p == prompt]
 
 
 @pytest.fixture(scope="module")

@@ -266,6 +266,52 @@ def test_sampling_is_reproducible_with_a_seed(regular, models, tmp_path):
     assert stats(first.stderr)[0] == stats(second.stderr)[0]
 
 
+SEED_LINE = re.compile(r"^Seed: (\d+)$", re.MULTILINE)
+
+
+def test_a_seeded_text_is_the_regular_text_whatever_drafts_it(models, tmp_path):
+    """--seed at temperature > 0: the draft model (g = 3 and auto), prompt
+    lookup and hybrid drafting print --regular-decode's text, and the
+    summary names the seed."""
+    modes = [
+        ["--regular-decode"],
+        ["--num-draft", "3"],
+        ["--num-draft", "auto"],
+        ["--draft-model-name", "none", "--prompt-lookup", "2"],
+        ["--prompt-lookup", "3", "--num-draft", "auto"],
+    ]
+    runs = run_main_concurrently(
+        *[[*model_args(models), *GENERATE, *SAMPLE, *mode] for mode in modes], cwd=tmp_path
+    )
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+        assert SEED_LINE.search(run.stderr)[1] == "3", run.stderr
+    texts = [generated_text(run.stdout) for run in runs]
+    assert texts[0].strip()
+    assert texts == [texts[0]] * len(modes)
+
+
+def test_without_a_seed_one_is_drawn_and_named(models, tmp_path):
+    """An unseeded sampled run names its seed in the summary, and with
+    --prompts --output in every JSON line; given again, it repeats the text."""
+    args = [*model_args(models), *GENERATE, "--temp", "1"]
+    (tmp_path / "prompts.txt").write_text(PROMPTS_FILE)
+    batch = [*model_args(models), "--prompts", "prompts.txt", *BATCH, "--temp", "1"]
+    first, second, batched = run_main_concurrently(
+        args, args, [*batch, "--output", "out.jsonl"], cwd=tmp_path
+    )
+    seeds = [SEED_LINE.search(run.stderr)[1] for run in (first, second, batched)]
+    assert seeds[0] != seeds[1]
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert {str(record["seed"]) for record in records} == {seeds[2]}
+    again, batched_again = run_main_concurrently(
+        [*args, "--seed", seeds[0]], [*batch, "--seed", seeds[2]], cwd=tmp_path
+    )
+    assert generated_text(again.stdout) == generated_text(first.stdout)
+    texts = {record["index"]: main_module.one_line(record["text"]) for record in records}
+    assert batched_again.stdout == "".join(f"{texts[i]}\n" for i in sorted(texts))
+
+
 def run_main_on_a_terminal(
     *args: str, cwd: Path, stream: str = "stdout", prompt_bar_delay: float | None = None
 ) -> tuple[str, str]:
@@ -918,7 +964,7 @@ def test_output_writes_json_lines_as_prompts_finish(models, single_results, tmp_
     # Completion order: the input order broken, else the in-order test proves little.
     assert indices != sorted(indices)
     for record in records:
-        assert set(record) == {"index", "text", "tokens", "n_accepted", "n_draft"}
+        assert set(record) == {"index", "text", "tokens", "n_accepted", "n_draft", "seed"}
         single = single_results[record["index"]]
         assert (record["text"], record["tokens"]) == (single["text"], single["tokens"])
         assert 0 <= record["n_accepted"] <= record["n_draft"]
@@ -1004,7 +1050,10 @@ def test_finished_line_is_written_at_once_and_kept_on_ctrl_c(
     assert "interrupted\n" in captured.err
     assert batch_stats(captured.err, 3) == (1, 4)
     if output:
-        line = '{"index": 2, "text": "done", "tokens": [7, 8], "n_accepted": 0, "n_draft": 0}\n'
+        line = (
+            '{"index": 2, "text": "done", "tokens": [7, 8], "n_accepted": 0, "n_draft": 0, '
+            '"seed": 0}\n'
+        )
         assert on_disk == [line]
         assert path.read_text() == line
         assert "note:" not in captured.err

@@ -14,7 +14,7 @@ from fixtures import load_hf, train_tokenizer
 from decoder import SpeculativeDecoder
 from drafting import IncompatibleDraftError, check_draft_compatible, trim_to
 from loading import check_draft_directories, load_tokenizer
-from sampling import Sampling, verify
+from sampling import RowSampling, Sampling, verify
 
 PROMPTS = [
     "translate English to German: the house is small and the garden is green.",
@@ -75,28 +75,31 @@ def test_delta_one_accepts_every_draft_token(temp, decoding_pair):
 
 
 def random_round(seed, num_draft=6, vocab_size=50):
-    """Draft tokens, their draft distributions and main-model logits that
-    disagree in places, as one speculative round would produce them (a batch of one)."""
+    """Main-model and draft logits that disagree in places, and Gumbel
+    noise, as one speculative round would have them (a batch of one)."""
     rng = np.random.default_rng(seed)
     main_logits = mx.array(rng.normal(size=(1, num_draft + 1, vocab_size)) * 2)
-    noise = mx.array(rng.normal(size=(1, num_draft, vocab_size)))
-    draft_logits = main_logits[:, :num_draft] + noise
-    return main_logits, draft_logits
+    draft_logits = main_logits[:, :num_draft] + mx.array(
+        rng.normal(size=(1, num_draft, vocab_size))
+    )
+    noise = mx.array(rng.gumbel(size=(1, num_draft + 1, vocab_size)).astype(np.float32))
+    return main_logits, draft_logits, noise
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 def test_acceptance_never_decreases_as_delta_grows(temp):
-    sampling = Sampling(temp=temp)
+    sampling = RowSampling([Sampling(temp=temp)])
     deltas = [0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0]
     increased = False
     for seed in range(30):
-        main_logits, draft_logits = random_round(seed)
-        mx.random.seed(seed)
-        draft_tokens, draft_probs = sampling.sample(draft_logits)
-        counts = []
-        for delta in deltas:
-            mx.random.seed(1000 + seed)  # the same uniforms for every delta
-            counts.append(verify(draft_tokens, draft_probs, main_logits, sampling, delta)[0].item())
+        main_logits, draft_logits, noise = random_round(seed)
+        noise = noise if temp else None
+        draft_noise = None if noise is None else noise[:, :-1]
+        draft_tokens = mx.argmax(sampling.scores(draft_logits, draft_noise), axis=-1)
+        counts = [
+            verify(draft_tokens, main_logits, sampling, delta, noise=noise)[0].item()
+            for delta in deltas
+        ]
         assert counts == sorted(counts)
         assert counts[-1] == draft_tokens.shape[1]
         increased |= counts[0] < counts[-1]
@@ -111,7 +114,7 @@ def test_greedy_delta_accepts_only_tokens_the_main_model_rates_highly():
     greedy = Sampling(temp=0.0)
 
     def run(delta):
-        num_accepted, next_token = verify(draft_tokens, None, main_logits, greedy, delta)
+        num_accepted, next_token = verify(draft_tokens, main_logits, greedy, delta)
         return num_accepted.item(), next_token.item()
 
     # Token 1 has 0.8 of the top probability: accepted once 1 - delta <= 0.8.
@@ -121,32 +124,33 @@ def test_greedy_delta_accepts_only_tokens_the_main_model_rates_highly():
     assert run(1.0) == (1, 2)
 
 
-def test_sampling_rule_matches_the_paper_on_one_position():
-    """Acceptance probability min(1, p/q) and residual max(0, p - q), by counting."""
+def test_sampling_rule_accepts_exactly_the_main_models_gumbel_choice():
+    """On one position, with p the main model's distribution and G the
+    noise: a draft token is accepted exactly when it is argmax(log p + G),
+    which is otherwise the next token; a draft of q's argmax(log q + G) is
+    accepted at least (1 - TV) / (1 + TV) of the time, TV the total
+    variation between p and q (Daliri, Musco and Suresh, arXiv 2408.07978)."""
     p = np.array([0.6, 0.3, 0.1])
     q = np.array([0.2, 0.5, 0.3])
     main_logits = mx.log(mx.array(np.stack([p, p])[None]))
     sampling = Sampling(temp=1.0)
-    mx.random.seed(0)
-    counts = {token: np.zeros(3) for token in range(3)}
-    accepted = {token: 0 for token in range(3)}
-    trials = 4000
-    for token in range(3):
-        for _ in range(trials):
+    rng = np.random.default_rng(0)
+    trials, draft_accepted = 4000, 0
+    for _ in range(trials):
+        g = rng.gumbel(size=3)
+        noise = mx.array(np.stack([g, rng.gumbel(size=3)])[None].astype(np.float32))
+        choice = int(np.argmax(np.log(p) + g))
+        for token in range(3):
             num_accepted, next_token = verify(
-                mx.array([[token]]), mx.array(q[None, None]), main_logits, sampling, 0.0
+                mx.array([[token]]), main_logits, sampling, 0.0, None, noise
             )
-            if num_accepted.item() == 1:
-                accepted[token] += 1
-            else:
-                counts[token][next_token.item()] += 1
-    for token in range(3):
-        rate = accepted[token] / trials
-        assert abs(rate - min(1.0, p[token] / q[token])) < 0.03
-    # Rejections happen only for tokens 1 and 2 and resample token 0 only,
-    # the sole token where p > q.
-    assert counts[0].sum() == 0
-    assert counts[1][1:].sum() == 0 and counts[2][1:].sum() == 0
+            assert num_accepted.item() == (token == choice)
+            if token != choice:
+                assert next_token.item() == choice
+        draft_token = int(np.argmax(np.log(q) + g))
+        draft_accepted += draft_token == choice
+    total_variation = 0.5 * np.abs(p - q).sum()
+    assert draft_accepted / trials >= (1 - total_variation) / (1 + total_variation) - 0.02
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 16])

@@ -329,7 +329,7 @@ def run_timed_rounds(length: AutoDraftLength, round_seconds, rounds: int) -> lis
     for _ in range(rounds):
         num_draft = length.choose("model", 2)
         source = "model" if num_draft else "none"
-        draft = Draft(mx.zeros((2, num_draft), mx.int32), None, [num_draft] * 2, [source] * 2)
+        draft = Draft(mx.zeros((2, num_draft), mx.int32), [num_draft] * 2, [source] * 2)
         length.timed(draft, round_seconds(num_draft))
         choices.append(num_draft)
     return choices

@@ -247,21 +247,42 @@ def test_concurrent_requests_each_get_their_own_text(server, reference):
     assert health["active"] == 0 and health["waiting"] == 0
 
 
-def test_a_seeded_request_gets_its_text_alone_and_among_others(server, reference):
+def test_a_seeded_request_gets_its_regular_text_alone_and_among_others(
+    server, reference, converted_pair
+):
+    """The text of regular decoding with that seed, as the library and
+    main.py --seed give it (main.py drafting 5 tokens a round, the server 3),
+    alone and among 7 other requests; the response names the seed, and an
+    unseeded request's named seed repeats its text."""
     body = {"prompt": PROMPTS[3], "max_tokens": MAX_NEW, "temperature": 0.9, "seed": 42}
-    alone = post(server, body).json()["choices"][0]["text"]
+    response = post(server, body).json()
+    alone = response["choices"][0]["text"]
+    assert response["choices"][0]["seed"] == 42
     others = [{**body, "prompt": p, "seed": None} for p in PROMPTS[4:11]]
     with ThreadPoolExecutor(max_workers=8) as pool:
         futures = [pool.submit(post, server, b) for b in others]
         among = pool.submit(post, server, body).result().json()["choices"][0]["text"]
         for future in futures:
             assert future.result().status_code == 200
-    expected = reference.speculative_decode(
-        PROMPTS[3], max_tokens=MAX_NEW, temp=0.9, seed=42
-    ).text  # the library alone, a batch of one
-    assert alone == among == expected
+    expected = reference.generate(PROMPTS[3], max_tokens=MAX_NEW, temp=0.9, seed=42).text
+    main_dir, draft_dir = converted_pair
+    main_py = subprocess.run(
+        [sys.executable, str(ROOT / "main.py"), "--model-name", str(main_dir)]
+        + ["--draft-model-name", str(draft_dir), "--prompt", PROMPTS[3], "-m", str(MAX_NEW)]
+        + ["--temp", "0.9", "--seed", "42"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=True,
+    )
+    assert alone == among == expected == main_py.stdout[:-1]
     other_seed = post(server, {**body, "seed": 43}).json()["choices"][0]["text"]
     assert other_seed != alone  # the seed matters: the check is not vacuous
+    drawn = post(server, {**body, "seed": None}).json()["choices"][0]
+    assert (
+        post(server, {**body, "seed": drawn["seed"]}).json()["choices"][0]["text"] == drawn["text"]
+    )
 
 
 def test_a_client_that_leaves_frees_its_row(server, reference):
