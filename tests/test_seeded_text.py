@@ -14,7 +14,7 @@ import pytest
 from fixtures import cheap_drafts
 from test_batch import PROMPTS
 
-import drafting as drafting_module
+from auto import AutoDraftLength
 from decoder import SpeculativeDecoder
 from sampling import Sampling
 
@@ -92,9 +92,7 @@ def test_a_seeded_text_is_regular_decodings_in_a_batch_whose_draft_length_change
     change with its timings."""
     sampling = SETTINGS["temperature 0.3"]
     lengths = np.random.default_rng(0)
-    monkeypatch.setattr(
-        drafting_module.DraftLength, "choose", lambda self, *a, **k: int(lengths.integers(9))
-    )
+    monkeypatch.setattr(AutoDraftLength, "choose", lambda self, *a, **k: int(lengths.integers(9)))
     decoder = speculative_decoder(decoding_pair, drafter, "auto")
     settings = options(sampling, max_tokens=2 * MAX_NEW)  # long enough for lookup to match
     results = decoder.speculative_decode_batch(PROMPTS, batch_size=4, **settings)
