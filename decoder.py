@@ -38,6 +38,7 @@ import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from cache import DecoderCache, compacted_rows
+from distributed import shared_draft_length
 from drafting import (
     DRAFT_SOURCES,
     MAX_AUTO_DRAFT,
@@ -639,7 +640,9 @@ class BatchGenerator:
         deliveries = decoder.deliveries.setdefault(
             (*drafting, sampling, decoder.delta), Deliveries()
         )
-        self.draft_length = DraftLength(decoder.num_draft, costs, earlier, times, deliveries)
+        draft_length = DraftLength(decoder.num_draft, costs, earlier, times, deliveries)
+        # In a group, rank 0's choices: every rank must run the same rounds.
+        self.draft_length = shared_draft_length(draft_length, decoder.group)
         return time.perf_counter() - tic if decoder.num_draft == "auto" else 0.0
 
 
@@ -662,7 +665,9 @@ class SpeculativeDecoder:
     """Decodes with ``model``. Drafts come from ``draft_model``, from prompt
     lookup of n-grams up to ``prompt_lookup`` tokens long (0: off), or from
     both (lookup first). ``num_draft`` is the number of draft tokens per
-    round, or ``"auto"``; ``delta`` in [0, 1] relaxes acceptance."""
+    round, or ``"auto"``; ``delta`` in [0, 1] relaxes acceptance.
+    ``group``: the processes ``model`` is split across (see
+    ``distributed.py``), whose ranks take rank 0's timing decisions."""
 
     def __init__(
         self,
@@ -672,6 +677,7 @@ class SpeculativeDecoder:
         num_draft: int | str = 5,
         delta: float = 0.0,
         prompt_lookup: int = 0,
+        group: mx.distributed.Group | None = None,
     ):
         if num_draft != "auto" and not (isinstance(num_draft, int) and num_draft >= 1):
             raise ValueError(f"num_draft must be >= 1 or 'auto', got {num_draft!r}")
@@ -693,6 +699,8 @@ class SpeculativeDecoder:
         self.acceptance = {}  # per way of drafting: see DraftLength
         self.round_times = {}  # per way of drafting: see RoundTimes
         self.deliveries = {}  # per way of drafting: see Deliveries
+        # The processes the main model is split across (distributed.py), or None.
+        self.group = group
 
     @property
     def drafting(self) -> str:
