@@ -272,8 +272,8 @@ def assert_error_ends(result: subprocess.CompletedProcess, words: str) -> None:
     """A rank that ended with status 1 and, last, one ``error:`` line holding ``words``."""
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error:") and words in last, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error:") and words in lines[-1], result.stderr
 
 
 def test_failing_rank_ends_the_group(converted_pair, tmp_path):
