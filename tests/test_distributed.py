@@ -338,3 +338,24 @@ def test_server_refuses_a_group(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.strip() == "error: " + __import__("server").GROUP_REFUSAL
+
+
+def test_memory_check_counts_each_rank_share(converted_pair, monkeypatch):
+    """The memory check counts each rank's share of the main model: what
+    one process would need, less a byte, refuses the pair alone and fits
+    when the main model is split in 2 (its weights and caches halved)."""
+    import loading
+    from model import weights_file
+
+    paths = list(converted_pair)
+    weights = [weights_file(path).stat().st_size for path in paths]
+    rows = [loading.runtime_bytes(path, 20, MAX_TOKENS) for path in paths]
+    needed = sum(weights) + sum(rows)
+    monkeypatch.setattr(loading, "available_memory", lambda: needed - 1)
+    with pytest.raises(MemoryError):
+        loading.check_memory("main", paths, 20, MAX_TOKENS)
+    loading.check_memory("main", paths, 20, MAX_TOKENS, shards=2)
+    split_needed = (weights[0] + rows[0]) / 2 + weights[1] + rows[1]
+    monkeypatch.setattr(loading, "available_memory", lambda: int(split_needed) - 1)
+    with pytest.raises(MemoryError):
+        loading.check_memory("main", paths, 20, MAX_TOKENS, shards=2)
