@@ -108,6 +108,10 @@ def silence_other_ranks(group: mx.distributed.Group | None) -> None:
     os.close(null)
 
 
+# What a rank says when another one ended while it waited on their sum.
+GROUP_BROKEN = "another process of the group ended or failed (see its error); this one stops too"
+
+
 @contextlib.contextmanager
 def failures_end_group(group: mx.distributed.Group | None) -> Iterator[None]:
     """In a group, end this process at once when what runs inside fails:
@@ -126,12 +130,10 @@ def failures_end_group(group: mx.distributed.Group | None) -> Iterator[None]:
         if "connection to a peer was lost" in reason:  # the ring backend's words
             reason = f"{GROUP_BROKEN} ({reason})"
         rank = f"rank {group.rank()} of {group.size()}: " if group.rank() else ""
-        sys.stdout.flush()
+        with contextlib.suppress(OSError):  # a reader of standard output that left
+            sys.stdout.flush()
         print(f"error: {rank}{reason}", file=_error_file, flush=True)
         os._exit(1)
-
-
-GROUP_BROKEN = "another process of the group ended or failed (see its error); this one stops too"
 
 
 # --- Tensor parallel: the main model split across the ranks ------------------
