@@ -359,3 +359,14 @@ def test_memory_check_counts_each_rank_share(converted_pair, monkeypatch):
     monkeypatch.setattr(loading, "available_memory", lambda: int(split_needed) - 1)
     with pytest.raises(MemoryError):
         loading.check_memory("main", paths, 20, MAX_TOKENS, shards=2)
+
+
+def test_data_parallel_needs_prompts(capsys):
+    """--data-parallel spreads a prompt file: with one prompt, a one-line refusal."""
+    import main as main_module
+
+    with pytest.raises(SystemExit) as exit_info:
+        main_module.main(["--data-parallel", "--prompt", PROMPTS[0]])
+    assert exit_info.value.code != 0
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--data-parallel goes with --prompts FILE" in error
