@@ -504,7 +504,8 @@ class AutoDraftLength:
             rows, draft.lengths, draft.sources, outcome.accepted, outcome.rejected
         ):
             if row.result is not None and length > 0:
-                self.update(source, accepted, accepted + int(rejected), self.row_counts[row.uid])
+                counts = self.row_counts.setdefault(row.uid, acceptance_counts())
+                self.update(source, accepted, accepted + int(rejected), counts)
         self.timed(draft, round_seconds)
         delivered = sum(len(tokens) for tokens in outcome.new_tokens)
         self.deliveries.record(len(rows), any(draft.lengths), delivered, delivered_seconds)

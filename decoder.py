@@ -7,10 +7,9 @@ prefix of them and adds one token of the main model's own. Every token is
 the Gumbel-max choice argmax(log p + G) of its distribution p, with noise G
 drawn from the row's seed and the token's position alone: the draft model
 proposes argmax(log q + G) with the same noise, and a draft token is
-accepted exactly when it is the main model's choice, so that a round adds
-the tokens plain decoding would, whatever was drafted. A round costs
-one main-model pass and adds 1 to g + 1 tokens; the host waits once per
-round. A batch's rows run the same rounds, each with its own draft tokens
+accepted exactly when it is the main model's choice: a round adds the
+tokens plain decoding would, whatever was drafted, at the cost of one
+main-model pass (the host waits once per round). A batch's rows run the same rounds, each with its own draft tokens
 and its own number accepted (the caches keep a length per row);
 ``scheduler.BatchGenerator`` lets prompts join and leave the batch. Where
 drafts come from: ``drafting.py``; how many: ``drafting.FixedDraftLength``
@@ -21,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +32,7 @@ import mlx.core as mx
 from auto import Auto
 from cache import DecoderCache
 from detokenizer import byte_piece_ids
+from distributed import shared_draft_length
 from drafting import (
     Draft,
     Drafter,
@@ -194,7 +195,8 @@ class SpeculativeDecoder:
     """Decodes with ``model``. Drafts come from ``draft_model``, from prompt
     lookup of n-grams up to ``prompt_lookup`` tokens long (0: off), or from
     both (lookup first). ``num_draft`` is the number of draft tokens per
-    round, or ``"auto"``; ``delta`` in [0, 1] relaxes acceptance."""
+    round, or ``"auto"``; ``delta`` in [0, 1] relaxes acceptance. ``group``:
+    the processes ``model`` is split across (``distributed.py``)."""
 
     def __init__(
         self,
@@ -204,6 +206,7 @@ class SpeculativeDecoder:
         num_draft: int | str = 5,
         delta: float = 0.0,
         prompt_lookup: int = 0,
+        group: mx.distributed.Group | None = None,
     ):
         if num_draft != "auto" and not (isinstance(num_draft, int) and num_draft >= 1):
             raise ValueError(f"num_draft must be >= 1 or 'auto', got {num_draft!r}")
@@ -216,6 +219,7 @@ class SpeculativeDecoder:
         self.model, self.draft_model, self.tokenizer = model, draft_model, tokenizer
         self.num_draft, self.delta, self.prompt_lookup = num_draft, delta, prompt_lookup
         self.auto = Auto()  # what "auto" measured, kept from batch to batch
+        self.group = group  # the processes the main model is split across, or None
 
     @functools.cached_property
     def byte_ids(self) -> frozenset[int]:
@@ -277,7 +281,9 @@ class SpeculativeDecoder:
         sampled by ``sampling``, its costs weighed at ``batch_size`` rows."""
         if self.num_draft == "auto":
             drafting = self.model, self.draft_model, self.prompt_lookup, self.delta
-            return self.auto.for_batch(*drafting, prompts[0], sampling, batch_size)
+            rule = self.auto.for_batch(*drafting, prompts[0], sampling, batch_size)
+            # In a group, rank 0's choices: every rank must run the same rounds.
+            return shared_draft_length(rule, self.group)
         return FixedDraftLength(self.num_draft)
 
     def batch_generator(
@@ -304,18 +310,15 @@ class SpeculativeDecoder:
         """Decode ``prompts`` as ``options`` say (``Options``' fields),
         ``batch_size`` at a time, and yield ``(index, result)`` for every
         prompt in the batch after every main-model pass (a new result object
-        each time); ``result.finished`` marks a prompt's last. Prompts are
-        taken longest first within each run of ``SORT_WINDOW * batch_size``
-        (``longest_first``). A prompt that finishes (end of sequence or
-        ``max_tokens``) leaves the batch and the next waiting prompt takes
-        its place. Regular decoding (``speculative=False``, or nothing to
-        draft with) is the same loop with no draft tokens. With ``seed``
-        (else one is drawn per prompt: ``result.seed``), every prompt gets
-        the text regular decoding gives it alone with that seed, whatever
-        the batch, the drafter or the draft length (with ``delta`` 0).
-        ``prompt_progress(done, total)`` follows the encoding of prompts:
-        called with 0, then after each encoder layer (main and draft
-        models, each padded pass), whenever prompts join the batch."""
+        each time; ``result.finished`` on a prompt's last), taking them
+        longest first within each run of ``SORT_WINDOW * batch_size``.
+        Regular decoding (``speculative=False``, or nothing to draft with)
+        is the same loop with no draft tokens. With ``seed`` (else one is
+        drawn per prompt: ``result.seed``), a prompt gets the text regular
+        decoding gives it alone with that seed, whatever the batch, drafter
+        or draft length (with ``delta`` 0). ``prompt_progress(done, total)``
+        is called with 0, then after each encoder layer (main and draft
+        models) whenever prompts join."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts")
         return self._stream(prompts, Options(**options), speculative, batch_size, prompt_progress)
@@ -367,11 +370,11 @@ class SpeculativeDecoder:
     def generate(self, prompt: str | Sequence[int], **options) -> GenerationResult:
         """Regular decoding with the main model alone, as ``options`` say
         (``Options``' fields: max_tokens, temp, top_p, top_k, seed)."""
-        return _last(self.stream(prompt, speculative=False, **options))
+        return deque(self.stream(prompt, speculative=False, **options), maxlen=1)[0]
 
     def speculative_decode(self, prompt: str | Sequence[int], **options) -> GenerationResult:
         """Speculative decoding; same arguments as ``generate``."""
-        return _last(self.stream(prompt, speculative=True, **options))
+        return deque(self.stream(prompt, speculative=True, **options), maxlen=1)[0]
 
     def generate_batch(
         self, prompts: Sequence[str | Sequence[int]], batch_size: int = 8, **options
@@ -389,13 +392,6 @@ class SpeculativeDecoder:
         return _finished(
             self.stream_batch(prompts, speculative=True, batch_size=batch_size, **options)
         )
-
-
-def _last(results: Iterator[GenerationResult]) -> GenerationResult:
-    result = None
-    for result in results:
-        pass
-    return result
 
 
 def _finished(results: Iterator[tuple[int, GenerationResult]]) -> list[GenerationResult]:

@@ -31,6 +31,8 @@ from layout import (
 )
 
 if TYPE_CHECKING:
+    import mlx.core as mx
+
     from decoder import SpeculativeDecoder
 
 
@@ -248,18 +250,23 @@ def check_memory(
     prompt_tokens: int,
     max_tokens: int,
     batch_size: int = 1,
+    shards: int = 1,
 ) -> None:
     """Raise ``MemoryError``, saying what would fit, when the models at
     ``paths`` (the main model's directory, then the draft's, if any) would not
     fit in memory together, decoding ``batch_size`` prompts of up to
-    ``prompt_tokens`` tokens at once."""
+    ``prompt_tokens`` tokens at once; the main model split into ``shards``
+    (one process's share of its weights and caches: see ``distributed.py``)."""
     import cpu  # noqa: F401  # isort: skip  (on Linux, the BLAS MLX must load first)
     import mlx.core as mx
 
     from model import load_config, parameter_bytes, weights_file
 
-    weights = [weights_file(path).stat().st_size for path in paths]
-    per_row = [runtime_bytes(path, prompt_tokens, max_tokens) for path in paths]
+    share = [1 / shards] + [1] * (len(paths) - 1)
+    weights = [weights_file(path).stat().st_size * part for path, part in zip(paths, share)]
+    per_row = [
+        runtime_bytes(path, prompt_tokens, max_tokens) * part for path, part in zip(paths, share)
+    ]
     runtime = [batch_size * row for row in per_row]
     needed, available = sum(weights) + sum(runtime), available_memory()
     if needed <= available:
@@ -270,12 +277,14 @@ def check_memory(
         f"{format_bytes(needed)}{batch}, more than the {format_bytes(available)} this "
         "machine has for MLX"
     )
-    fitting = (available - sum(weights)) // sum(per_row)
+    fitting = int((available - sum(weights)) // sum(per_row))
     if fitting >= 1:  # a smaller batch fits
         raise MemoryError(f"{message}; --batch-size {fitting} fits")
 
     def fits(tokens: int) -> bool:
-        rows = sum(runtime_bytes(path, prompt_tokens, tokens) for path in paths)
+        rows = sum(
+            runtime_bytes(path, prompt_tokens, tokens) * part for path, part in zip(paths, share)
+        )
         return sum(weights) + batch_size * rows <= available
 
     if fits(1):  # the cache for the tokens asked for is what does not fit
@@ -289,7 +298,7 @@ def check_memory(
         )
     main_args = load_config(paths[0])
     if main_args.quantization is None:
-        four_bit = parameter_bytes(main_args, mx.bfloat16, FOUR_BIT)
+        four_bit = parameter_bytes(main_args, mx.bfloat16, FOUR_BIT) * share[0]
         message += f"; with 4-bit weights the main model needs {format_bytes(four_bit)}"
         if needed - weights[0] + four_bit <= available:
             source = "<its checkpoint>" if Path(model_name).is_dir() else model_name
@@ -319,14 +328,26 @@ def load_decoder(
     num_draft: int | str = 5,
     delta: float = 0.0,
     prompt_lookup: int = 0,
+    group: mx.distributed.Group | None = None,
 ) -> SpeculativeDecoder:
     """A ``SpeculativeDecoder`` of the models at ``paths`` (``model_paths``:
     the main model's directory, then the draft's, if any), with the main
-    model's tokenizer (``tokenizer``, when loaded already)."""
+    model's tokenizer (``tokenizer``, when loaded already). With a
+    ``group`` of processes (``distributed.init_group``), each loads only
+    its share of the main model, split across them, and the draft model
+    whole; their choices that depend on timing are rank 0's."""
     from decoder import SpeculativeDecoder
-    from model import load_model
+    from model import load_config, load_model
 
-    models = [load_model(path) for path in paths]
+    if group is None:
+        models = [load_model(path) for path in paths]
+    else:
+        from distributed import check_divisible, rank_zero_forms
+
+        check_divisible(load_config(paths[0]), group.size(), str(paths[0]))
+        choose_form = rank_zero_forms(group)
+        models = [load_model(paths[0], group, choose_form)]
+        models += [load_model(path, None, choose_form) for path in paths[1:]]
     return SpeculativeDecoder(
         models[0],
         models[1] if len(models) > 1 else None,
@@ -334,6 +355,7 @@ def load_decoder(
         num_draft=num_draft,
         delta=delta,
         prompt_lookup=prompt_lookup,
+        group=group,
     )
 
 

@@ -123,6 +123,13 @@ def build_parser() -> ArgumentParser:
         "in the summary)",
     )
     add("--regular-decode", action="store_true", help="decode with the main model alone")
+    add(
+        "--data-parallel",
+        action="store_true",
+        help="with --prompts, launched in a group (mlx.launch): each process holds both models "
+        "whole and decodes a share of the prompts (default in a group: the main model split "
+        "across the processes; see docs/distributed.md)",
+    )
     add("--show-draft", action="store_true", help="colour accepted draft tokens on a terminal")
     return parser
 
@@ -342,7 +349,22 @@ class JsonLines:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Generate as ``args`` say; the exit status (130: interrupted)."""
+    """Generate as ``args`` say, alone or as one process of a group that
+    ``mlx.launch`` started (see distributed.py); the exit status (130:
+    interrupted)."""
+    from distributed import failures_end_group, init_group, silence_other_ranks
+
+    group = init_group()
+    silence_other_ranks(group)
+    with failures_end_group(group):
+        return generate(args, group)
+
+
+def generate(args: argparse.Namespace, group) -> int:
+    """``run``'s work, in ``group`` (None: alone): the main model split
+    across it, or with --data-parallel the prompts spread over it."""
+    if group is not None and group.rank() != 0:
+        args.output = None  # rank 0 writes; the others' standard output goes nowhere
     if args.output is not None:
         refuse_existing(args.output)
     if args.prompts is None:
@@ -364,15 +386,20 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(paths[0])
     longest = max(map(len, tokenizer(prompts).input_ids))
     batch_size = min(args.batch_size, len(prompts)) if args.prompts is not None else 1
-    check_memory(args.model_name, paths, longest, args.max_tokens, batch_size)
+    spread = group if args.data_parallel else None  # each process decodes some prompts
+    split = None if spread else group  # the main model split across the processes
+    shards = split.size() if split else 1
+    check_memory(args.model_name, paths, longest, args.max_tokens, batch_size, shards)
     for path, role in zip(paths, ("", "draft ")):
-        print(f"Loading {role}{path}", file=sys.stderr)
+        across = f" (split across {shards} processes)" if shards > 1 and not role else ""
+        print(f"Loading {role}{path}{across}", file=sys.stderr)
     decoder = load_decoder(
         paths,
         tokenizer,
         num_draft=args.num_draft,
         delta=args.delta,
         prompt_lookup=0 if args.regular_decode else args.prompt_lookup,
+        group=split,
     )
     models = [decoder.model] + ([decoder.draft_model] if decoder.draft_model else [])
     if mx.default_device() == mx.cpu:
@@ -382,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
             print(CPU_HALF_NOTE, file=sys.stderr)
     if args.prompts is None:
         return generate_one(args, decoder, prompts[0])
-    return generate_all(args, decoder, prompts)
+    return generate_all(args, decoder, prompts, spread)
 
 
 def draft_model_name(args: argparse.Namespace) -> str | None:
@@ -499,12 +526,16 @@ def open_output(path: str | None):
         raise
 
 
-def generate_all(args: argparse.Namespace, decoder, prompts: list[str]) -> int:
+def generate_all(args: argparse.Namespace, decoder, prompts: list[str], spread=None) -> int:
     """Decode ``prompts`` in batches: each finished text to standard output
     (one line each, in input order) or to the --output file (JSON Lines, as
     they finish), a progress bar on standard error if it is a terminal, then
-    the summary; the exit status (130: interrupted)."""
+    the summary; the exit status (130: interrupted). ``spread``: the group of
+    processes that share the prompts (``distributed.data_parallel_stream``),
+    or None."""
     from tqdm import tqdm
+
+    from distributed import data_parallel_stream
 
     results = {}
     interrupted = False
@@ -521,12 +552,13 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str]) -> int:
         try:
             # Ctrl-C stops the run: what finished is written already, the summary follows.
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            for index, result in decoder.stream_batch(
-                prompts,
-                batch_size=args.batch_size,
-                prompt_progress=progress,
-                **sampling_options(args),
-            ):
+            options = {"batch_size": args.batch_size, "prompt_progress": progress}
+            options.update(sampling_options(args))
+            if spread is None:
+                events = decoder.stream_batch(prompts, **options)
+            else:
+                events = data_parallel_stream(decoder, prompts, spread, **options)
+            for index, result in events:
                 results[index] = result
                 if result.finished:
                     # The bar is cleared while a line goes to the same terminal.
@@ -586,7 +618,11 @@ def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
             "(N >= 1), or use --regular-decode"
         )
     if args.prompts is None:
-        for option, value in (("--batch-size", args.batch_size), ("--output", args.output)):
+        for option, value in (
+            ("--batch-size", args.batch_size),
+            ("--output", args.output),
+            ("--data-parallel", args.data_parallel or None),
+        ):
             if value is not None:
                 parser.error(f"{option} goes with --prompts FILE (a file of prompts)")
         if args.prompt is None:

@@ -439,17 +439,18 @@ def encoder_passes(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
 
 class RowsFunction:
     """``function(module, rows, *arrays)`` of rows [N, d], compiled once for
-    every N (``mx.compile``, shapeless): MLX fuses its element-wise work, and
-    Python builds no graph for it at each call. The arrays of ``module``'s
-    children are inputs of every call, so that later changes to them (a
-    weight's layout, see ``cpu.prepare``) are seen. ``module`` holds its
-    RowsFunctions, so they hold it weakly: a reference cycle would keep a
-    dropped model's weights until Python's cyclic collector ran."""
+    every N (``mx.compile``, shapeless; else once per N): MLX fuses its
+    element-wise work, and Python builds no graph for it at each call. The
+    arrays of ``module``'s children are inputs of every call, so that later
+    changes to them (a weight's layout, see ``cpu.prepare``) are seen.
+    ``module`` holds its RowsFunctions, so they hold it weakly: a reference
+    cycle would keep a dropped model's weights until Python's cyclic
+    collector ran."""
 
-    def __init__(self, function: Callable, module: nn.Module):
+    def __init__(self, function: Callable, module: nn.Module, shapeless: bool = True):
         module_ref = weakref.ref(module)
         self.compiled = mx.compile(
-            lambda *args: function(module_ref(), *args), inputs=dict(module), shapeless=True
+            lambda *args: function(module_ref(), *args), inputs=dict(module), shapeless=shapeless
         )
 
     def __call__(self, rows: mx.array, *arrays: mx.array):
@@ -475,9 +476,22 @@ class DecoderLayer(nn.Module):
         self.cross_attn = CrossAttention(args)
         self.ff_norm = nn.RMSNorm(args.d_model, eps=args.layer_norm_epsilon)
         self.ff = FeedForward(args)
-        self.self_attention_inputs = RowsFunction(DecoderLayer._self_attention_inputs, self)
-        self.after_self_attention = RowsFunction(DecoderLayer._after_self_attention, self)
-        self.after_cross_attention = RowsFunction(DecoderLayer._after_cross_attention, self)
+        self.compile_rows()
+
+    def compile_rows(self, shapeless: bool = True) -> None:
+        """Compile the work around the attentions (``RowsFunction``), for
+        any number of rows at once unless not ``shapeless``: a layer split
+        across processes sums across them there (``distributed.shard_model``),
+        which has no shapeless form."""
+        self.self_attention_inputs = RowsFunction(
+            DecoderLayer._self_attention_inputs, self, shapeless
+        )
+        self.after_self_attention = RowsFunction(
+            DecoderLayer._after_self_attention, self, shapeless
+        )
+        self.after_cross_attention = RowsFunction(
+            DecoderLayer._after_cross_attention, self, shapeless
+        )
 
     def _self_attention_inputs(self, x: mx.array) -> mx.array:
         return self.self_attn.qkv_proj(self.self_attn_norm(x))
@@ -779,8 +793,15 @@ def load_config(path: str | Path) -> ModelArgs:
         ) from None
 
 
-def load_model(path: str | Path) -> T5:
-    """Load a model directory written by ``convert.py``, quantized or not.
+def load_model(
+    path: str | Path,
+    group: mx.distributed.Group | None = None,
+    choose_form: Callable[..., str] | None = None,
+) -> T5:
+    """Load a model directory written by ``convert.py``, quantized or not:
+    with a ``group``, only this process's share of it, split across the
+    group (``distributed.shard_model``); ``choose_form``: the CPU's choice
+    of product forms (``cpu.prepare``).
 
     Raises ``FileNotFoundError`` if a file is missing and ``ValueError`` if
     the weights are unreadable or do not fit the configuration.
@@ -805,7 +826,11 @@ def load_model(path: str | Path) -> T5:
             quantize(model, args.quantization, scaled)
         model.load_weights(list(weights.items()))
         del weights  # the model holds them now: each weight cpu.prepare copies is freed
-        cpu.prepare(model)
+        if group is not None:
+            from distributed import shard_model  # which imports this module
+
+            shard_model(model, group)
+        cpu.prepare(model, choose_form)
         mx.eval(model.parameters())
     except (ValueError, RuntimeError) as error:
         reason = " ".join(str(error).split())  # MLX's message spans lines

@@ -43,6 +43,7 @@ from cli import (
     checked,
     full_float32,
 )
+from distributed import launched_in_group
 from loading import quiet_transformers
 
 API_KEY_VARIABLE = "T5_SERVER_API_KEY"
@@ -51,6 +52,11 @@ MAX_STOP_STRINGS = 4
 # Seconds past --shutdown-timeout for requests told the server is shutting
 # down to send their error; uvicorn cancels whatever is left after that.
 SHUTDOWN_GRACE = 5.0
+# Why a server started in a group of processes (mlx.launch) stops at once.
+GROUP_REFUSAL = (
+    "server.py does not run in a group of processes (mlx.launch) yet: it serves from one "
+    "process; main.py splits the main model across several (see docs/distributed.md)"
+)
 
 
 def build_parser() -> ArgumentParser:
@@ -1010,6 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
     full_float32()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if launched_in_group():
+        print(f"error: {GROUP_REFUSAL}", file=sys.stderr)
+        return 1
     try:
         return serve(args)
     except (ValueError, OSError, MemoryError) as error:

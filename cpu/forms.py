@@ -16,7 +16,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -157,7 +157,9 @@ def write_forms(directory: Path, forms: dict[str, str]) -> None:
         os.unlink(staging)
 
 
-def store_for_cpu(model: nn.Module, busy: bool = False) -> None:
+def store_for_cpu(
+    model: nn.Module, busy: bool = False, choose_form: Callable[..., str] | None = None
+) -> None:
     """Choose, for each shape of float32 weight of ``model``'s ``nn.Linear``
     layers, the form of ``x W^T`` that this CPU computes fastest
     (``PRODUCT_FORMS``, timed by :func:`form_times`), and lay out its
@@ -168,7 +170,8 @@ def store_for_cpu(model: nn.Module, busy: bool = False) -> None:
     time: memory grows by one weight while laying out, by twice
     ``TIMED_FORM_BYTES`` (or two weights) while timing. Each shape is timed
     once per machine (``chosen_form``), and not at all while other processes
-    are ``busy``.
+    are ``busy``. ``choose_form``: what chooses, with the signature of
+    ``chosen_form`` (its default).
 
     Half-precision products are not OpenBLAS's: they keep the plain form."""
     by_shape = {}
@@ -177,11 +180,12 @@ def store_for_cpu(model: nn.Module, busy: bool = False) -> None:
             by_shape.setdefault(module.weight.shape, []).append(module)
     if model.args.tie_word_embeddings and type(model.shared) is nn.Embedding:
         by_shape.setdefault(model.shared.weight.shape, []).append(model.shared)
+    choose = choose_form or chosen_form
     for modules in by_shape.values():
         weight = modules[0].weight
         if weight.dtype != mx.float32 or weight.size < TIMED_FORM_MIN_SIZE:
             continue
-        if chosen_form(weight.shape, weight.dtype, PRODUCT_FORMS, busy) == "transposed":
+        if choose(weight.shape, weight.dtype, PRODUCT_FORMS, busy) == "transposed":
             for module in modules:
                 module.weight = transposed_in_memory(module.weight)
 

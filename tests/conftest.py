@@ -52,6 +52,10 @@ CHECKPOINTS = {
         "d_ff": 1024,
         "seed": 12,
     },
+    # Split across 2 processes (tests/test_distributed.py): each rank's share of
+    # every weight at least 32 KB, above which MLX copies a slice into a buffer
+    # of its own (a smaller one may stay in its whole tensor's).
+    "split": {"d_model": 128, "num_heads": 4, "d_kv": 32, "d_ff": 256, "seed": 13},
     # d_model 64: quantization groups of 32 and of 64 both divide every input width.
     # Their quantized logits are compared with a float64 twin's: PARITY too.
     "relu_tied_64": {"feed_forward_proj": "relu", "tied": True, **WIDTH_64, "seed": 6, **PARITY},

@@ -1,0 +1,372 @@
+"""Groups of processes (distributed.py): 2 ranks on this machine over the
+ring backend, started as ``mlx.launch`` starts them (MLX_RANK and a
+hostfile of 127.0.0.1 ports), each bounded in time and always stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlx.utils import tree_flatten
+
+import distributed
+from decoder import GenerationResult, SpeculativeDecoder
+from loading import load_tokenizer
+from model import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN_PY = str(ROOT / "main.py")
+PROMPTS = [
+    "translate English to German: the house is small.",
+    "summarize: the cat sat on the mat and looked at the dog.",
+    "the weather",
+    "translate English to German: the old bridge across the river was closed.",
+    "question: where is the house?",
+]
+MAX_TOKENS = 16
+# Seconds a group may take: two processes importing mlx and transformers on a busy machine.
+GROUP_SECONDS = 120
+# Seconds the other rank may take to end once one failed.
+FAILURE_SECONDS = 10
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports of 127.0.0.1 that the system has just given out and taken back."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def start_group(commands: list[list[str]], tmp_path: Path) -> list[subprocess.Popen]:
+    """One process per command (rank = its place), connected as a ring on
+    127.0.0.1, as ``mlx.launch --backend ring`` starts them."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(len(commands))]))
+    return [
+        subprocess.Popen(
+            [sys.executable, *command],
+            cwd=tmp_path,
+            env={
+                **os.environ,
+                "HF_HUB_OFFLINE": "1",
+                "MLX_HOSTFILE": str(hostfile),
+                "MLX_RANK": str(rank),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, command in enumerate(commands)
+    ]
+
+
+def finish(processes: list[subprocess.Popen], seconds: float) -> list[subprocess.CompletedProcess]:
+    """Each process's exit status and output, once all have ended within
+    ``seconds``; any still running then is killed, and the test fails."""
+    deadline = time.monotonic() + seconds
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            results.append(
+                subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+            )
+    finally:
+        stop(processes)
+    return results
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """Kill whatever of ``processes`` still runs, and reap it."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def run_group(commands: list[list[str]], tmp_path: Path) -> list[subprocess.CompletedProcess]:
+    """``start_group``, then ``finish``."""
+    return finish(start_group(commands, tmp_path), GROUP_SECONDS)
+
+
+def main_args(converted_pair, *args: str) -> list[str]:
+    main_dir, draft_dir = converted_pair
+    return [
+        MAIN_PY,
+        "--model-name",
+        str(main_dir),
+        "--draft-model-name",
+        str(draft_dir),
+        "-m",
+        str(MAX_TOKENS),
+        *args,
+    ]
+
+
+@pytest.fixture(scope="module")
+def greedy_texts(decoding_pair) -> list[str]:
+    """Each of PROMPTS decoded greedily by the whole main model alone, in this process."""
+    main, draft, tokenizer = decoding_pair
+    decoder = SpeculativeDecoder(main, draft, tokenizer)
+    return [decoder.generate(prompt, max_tokens=MAX_TOKENS).text for prompt in PROMPTS]
+
+
+def assert_silent(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "" and result.stderr == "", "a rank other than 0 wrote"
+
+
+# --- tensor parallel ---------------------------------------------------------
+
+
+def test_tensor_parallel_prompt_equals_single_process(converted_pair, greedy_texts, tmp_path):
+    """Split across 2 ranks, --prompt's greedy text is the whole model's;
+    rank 0 alone writes it and the summary."""
+    command = main_args(converted_pair, "--prompt", PROMPTS[0], "--num-draft", "3")
+    first, second = run_group([command, command], tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == greedy_texts[0] + "\n"
+    assert "(split across 2 processes)" in first.stderr
+    assert "Draft tokens accepted" in first.stderr
+    assert_silent(second)
+
+
+def test_tensor_parallel_prompts_auto_equals_single_process(converted_pair, greedy_texts, tmp_path):
+    """--prompts with auto's draft length (rank 0's choices) and --output:
+    every prompt's greedy text is the whole model's; one file, rank 0's."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    output = tmp_path / "out.jsonl"
+    command = main_args(
+        converted_pair,
+        "--prompts",
+        str(prompts),
+        "--batch-size",
+        "2",
+        "--num-draft",
+        "auto",
+        "--prompt-lookup",
+        "2",
+        "--output",
+        str(output),
+    )
+    first, second = run_group([command, command], tmp_path)
+    assert first.returncode == 0, first.stderr
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert {record["index"]: record["text"] for record in records} == dict(enumerate(greedy_texts))
+    assert "g auto" in first.stderr
+    assert_silent(second)
+
+
+def test_each_rank_holds_its_share(converted, quantized, tmp_path):
+    """Each rank loads only its share of the main model: the bytes active
+    after loading are those of the parameters it holds whole (embeddings,
+    norms, output projection) and half of the others (the position bias
+    tables aside: a slice that small may stay in its table's buffer); its
+    peak while loading adds at most the largest layer. A 4-bit model split
+    across 2 ranks decodes the whole model's greedy tokens."""
+    path, four_bit = converted("split"), quantized("gated_untied_64", bits=4, group_size=32)
+    script = f"""
+import sys; sys.path.insert(0, {str(ROOT)!r})
+import json, cpu, mlx.core as mx, distributed
+from model import load_model
+from decoder import SpeculativeDecoder
+from loading import load_tokenizer
+group = distributed.init_group()
+model = load_model({str(path)!r}, group)
+active, peak = mx.get_active_memory(), mx.get_peak_memory()
+decoder = SpeculativeDecoder(load_model({str(four_bit)!r}, group), None, load_tokenizer({str(four_bit)!r}), group=group)
+tokens = decoder.generate({PROMPTS[1]!r}, max_tokens={MAX_TOKENS}).tokens
+print(json.dumps({{"active": active, "peak": peak, "tokens": tokens}}))
+"""
+    results = run_group([["-c", script]] * 2, tmp_path)
+    assert all(result.returncode == 0 for result in results), results[0].stderr
+    whole = load_model(path)
+    replicated, split = 0, 0
+    for name, parameter in tree_flatten(whole.parameters()):
+        if name.startswith(("shared", "lm_head")) or "norm" in name:
+            replicated += parameter.nbytes
+        else:
+            split += parameter.nbytes
+    tables = sum(
+        stack.position_bias.embeddings.weight.nbytes for stack in (whole.encoder, whole.decoder)
+    )
+    largest_layer = max(
+        sum(parameter.nbytes for _, parameter in tree_flatten(layer.parameters()))
+        for layer in whole.encoder.layers + whole.decoder.layers
+    )
+    share = replicated + split // 2
+    four_bit_whole = SpeculativeDecoder(load_model(four_bit), None, load_tokenizer(four_bit))
+    expected_tokens = four_bit_whole.generate(PROMPTS[1], max_tokens=MAX_TOKENS).tokens
+    for result in results:
+        report = json.loads(result.stdout)
+        assert share <= report["active"] <= share + tables // 2
+        assert report["peak"] <= share + tables // 2 + largest_layer
+        assert report["tokens"] == expected_tokens
+
+
+# --- data parallel -----------------------------------------------------------
+
+
+def test_data_parallel_equals_single_process(converted_pair, greedy_texts, tmp_path):
+    """--data-parallel: each rank decodes a share of the prompts; rank 0
+    writes every prompt's line in input order, each the whole model's
+    greedy text, and the summary counts every prompt."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    command = main_args(
+        converted_pair, "--prompts", str(prompts), "--batch-size", "2", "--data-parallel"
+    )
+    first, second = run_group([command, command], tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines() == greedy_texts
+    assert f"Prompts: {len(PROMPTS)} of {len(PROMPTS)} finished" in first.stderr
+    assert_silent(second)
+
+
+def test_balanced_shares():
+    """The costliest prompt first, each to the least loaded rank; shares in input order."""
+    assert distributed.balanced_shares([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]
+    assert distributed.balanced_shares([1], 3) == [[0], [], []]
+
+
+def test_result_round_trip(decoding_pair):
+    """A finished result survives data parallel's numbers whole."""
+    tokenizer = decoding_pair[2]
+    result = GenerationResult(
+        [5, 17, 9],
+        text=tokenizer.decode([5, 17, 9], skip_special_tokens=True),
+        n_draft=4,
+        n_accepted=2,
+        n_rejected=1,
+        n_steps=2,
+        draft_lengths=[3, 1],
+        n_lookup_rounds=1,
+        prompt_tokens=7,
+        prompt_time=0.5,
+        calibration_time=0.25,
+        elapsed=1.5,
+        finished=True,
+    )
+    row = distributed.packed(11, result, MAX_TOKENS + 1)
+    assert distributed.unpacked(row, MAX_TOKENS + 1, tokenizer) == (11, result)
+
+
+# --- failures ----------------------------------------------------------------
+
+
+def assert_error_ends(result: subprocess.CompletedProcess, words: str) -> None:
+    """A rank that ended with status 1 and, last, one ``error:`` line holding ``words``."""
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error:") and words in lines[-1], result.stderr
+
+
+def test_failing_rank_ends_the_group(converted_pair, tmp_path):
+    """Bad input on one rank (a model path missing there): it says so, and
+    rank 0 ends at its next sum with an error naming the broken group."""
+    good = main_args(converted_pair, "--prompt", PROMPTS[0])
+    bad = [*good, "--model-name", str(tmp_path / "missing")]
+    first, second = run_group([good, bad], tmp_path)
+    assert_error_ends(second, "rank 1 of 2: model")
+    assert_error_ends(first, distributed.GROUP_BROKEN)
+    assert first.stdout == ""
+
+
+def test_killed_rank_ends_the_group(converted_pair, tmp_path):
+    """A rank killed while the group decodes (data parallel: the ranks sum
+    only once per round) ends rank 0 within seconds, with a one-line error."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS * 40) + "\n")
+    command = main_args(converted_pair, "--prompts", str(prompts), "--data-parallel", "-m", "200")
+    processes = start_group([command, command], tmp_path)
+    try:
+        selector = selectors.DefaultSelector()
+        selector.register(processes[0].stdout, selectors.EVENT_READ)
+        assert selector.select(timeout=GROUP_SECONDS), "rank 0 wrote no line"
+        processes[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        first = finish(processes[:1], FAILURE_SECONDS)[0]
+        assert time.monotonic() - killed < FAILURE_SECONDS
+    finally:
+        stop(processes)
+    assert_error_ends(first, distributed.GROUP_BROKEN)
+
+
+def test_indivisible_model_refused():
+    """Heads or a feed-forward width that do not divide among the ranks, or
+    quantized groups that would be cut: a one-line reason."""
+    from model import ModelArgs
+
+    sizes = {"vocab_size": 100, "d_model": 64, "num_layers": 1, "num_decoder_layers": 1}
+    args = ModelArgs(**sizes, d_kv=16, d_ff=90, num_heads=3)
+    with pytest.raises(ValueError, match="its 3 attention heads do not divide by 2"):
+        distributed.check_divisible(args, 2)
+    args.num_heads = 4
+    with pytest.raises(ValueError, match="its feed-forward width 90 does not divide by 4"):
+        distributed.check_divisible(args, 4)
+    args.d_ff = 128
+    distributed.check_divisible(args, 4)
+    args.quantization = {"group_size": 64, "bits": 4, "mode": "affine"}
+    with pytest.raises(ValueError, match="the 32 input columns .* not whole groups of 64"):
+        distributed.check_divisible(args, 2)
+
+
+def test_server_refuses_a_group(tmp_path):
+    """server.py launched in a group stops at once with one line saying why."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "server.py")],
+        env={**os.environ, "MLX_RANK": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: " + __import__("server").GROUP_REFUSAL
+
+
+def test_memory_check_counts_each_rank_share(converted_pair, monkeypatch):
+    """The memory check counts each rank's share of the main model: what
+    one process would need, less a byte, refuses the pair alone and fits
+    when the main model is split in 2 (its weights and caches halved)."""
+    import loading
+    from model import weights_file
+
+    paths = list(converted_pair)
+    weights = [weights_file(path).stat().st_size for path in paths]
+    rows = [loading.runtime_bytes(path, 20, MAX_TOKENS) for path in paths]
+    needed = sum(weights) + sum(rows)
+    monkeypatch.setattr(loading, "available_memory", lambda: needed - 1)
+    with pytest.raises(MemoryError):
+        loading.check_memory("main", paths, 20, MAX_TOKENS)
+    loading.check_memory("main", paths, 20, MAX_TOKENS, shards=2)
+    split_needed = (weights[0] + rows[0]) / 2 + weights[1] + rows[1]
+    monkeypatch.setattr(loading, "available_memory", lambda: int(split_needed) - 1)
+    with pytest.raises(MemoryError):
+        loading.check_memory("main", paths, 20, MAX_TOKENS, shards=2)
+
+
+def test_data_parallel_needs_prompts(capsys):
+    """--data-parallel spreads a prompt file: with one prompt, a one-line refusal."""
+    import main as main_module
+
+    with pytest.raises(SystemExit) as exit_info:
+        main_module.main(["--data-parallel", "--prompt", PROMPTS[0]])
+    assert exit_info.value.code != 0
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--data-parallel goes with --prompts FILE" in error
