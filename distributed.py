@@ -87,6 +87,13 @@ def rank_zero_value(value: int, group: mx.distributed.Group) -> int:
     return mx.distributed.all_sum(mine, group=group, stream=mx.cpu).item()
 
 
+def rank_zero_seed(seed: int, group: mx.distributed.Group) -> int:
+    """Rank 0's ``seed`` (below 2**62, as ``sampling.draw_seed`` draws), on
+    every rank: a seed drawn on each rank would give each other noise."""
+    high, low = seed >> 31, seed & (2**31 - 1)
+    return rank_zero_value(high, group) << 31 | rank_zero_value(low, group)
+
+
 # What failures_end_group writes a rank's errors to: the standard error
 # it started with (silence_other_ranks silences the rest).
 _error_file = sys.stderr
@@ -279,7 +286,9 @@ RESULT_COUNTS = (
     "prompt_tokens",
 )
 RESULT_TIMES = ("prompt_time", "calibration_time", "elapsed")
-RESULT_HEADER = 3 + len(RESULT_COUNTS) + len(RESULT_TIMES)
+# A seed (below 2**64) travels as 16-bit pieces, which float32 holds exactly.
+SEED_PIECES = 4
+RESULT_HEADER = 3 + len(RESULT_COUNTS) + len(RESULT_TIMES) + SEED_PIECES
 
 
 def data_parallel_stream(
@@ -305,8 +314,8 @@ def data_parallel_stream(
     fails ends the others within a round."""
     import mlx.core as mx
 
-    from decoder import SORT_WINDOW, iter_rounds, longest_first
     from sampling import Sampling
+    from scheduler import SORT_WINDOW, iter_rounds, longest_first
 
     ids = []
     for i, prompt in enumerate(prompts):
@@ -356,6 +365,7 @@ def packed(index: int, result: GenerationResult, room: int) -> list[float]:
     draft lengths each padded to ``room``."""
     header = [index, len(result.tokens), len(result.draft_lengths)]
     header += [getattr(result, name) for name in RESULT_COUNTS + RESULT_TIMES]
+    header += [result.seed >> (16 * piece) & 0xFFFF for piece in range(SEED_PIECES)]
     padded = [
         list(values) + [0] * (room - len(values))
         for values in (result.tokens, result.draft_lengths)
@@ -369,7 +379,10 @@ def unpacked(row: list[float], room: int, tokenizer) -> tuple[int, GenerationRes
 
     index, num_tokens, num_rounds = map(int, row[:3])
     counts = dict(zip(RESULT_COUNTS, map(int, row[3 : 3 + len(RESULT_COUNTS)])))
-    times = dict(zip(RESULT_TIMES, row[3 + len(RESULT_COUNTS) : RESULT_HEADER]))
+    times_end = 3 + len(RESULT_COUNTS) + len(RESULT_TIMES)
+    times = dict(zip(RESULT_TIMES, row[3 + len(RESULT_COUNTS) : times_end]))
+    pieces = row[times_end:RESULT_HEADER]
+    seed = sum(int(piece) << (16 * index) for index, piece in enumerate(pieces))
     tokens = [int(token) for token in row[RESULT_HEADER : RESULT_HEADER + num_tokens]]
     lengths = row[RESULT_HEADER + room : RESULT_HEADER + room + num_rounds]
     result = GenerationResult(
@@ -377,6 +390,7 @@ def unpacked(row: list[float], room: int, tokenizer) -> tuple[int, GenerationRes
         text=tokenizer.decode(tokens, skip_special_tokens=True),
         draft_lengths=[int(length) for length in lengths],
         finished=True,
+        seed=seed,
         **counts,
         **times,
     )

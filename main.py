@@ -376,11 +376,12 @@ def generate(args: argparse.Namespace, group) -> int:
     import cpu  # noqa: F401  # isort: skip
     import mlx.core as mx
 
+    from distributed import rank_zero_seed
     from loading import check_memory, load_decoder, load_tokenizer, model_paths
     from sampling import draw_seed
 
     if args.seed is None:  # drawn, so that the summary can name it
-        args.seed = draw_seed()
+        args.seed = draw_seed() if group is None else rank_zero_seed(draw_seed(), group)
 
     paths = model_paths(args.model_name, draft_model_name(args))
     tokenizer = load_tokenizer(paths[0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -144,6 +145,24 @@ def test_tensor_parallel_prompt_equals_single_process(converted_pair, greedy_tex
     assert_silent(second)
 
 
+def test_tensor_parallel_sampling_takes_rank_zeros_drawn_seed(
+    converted_pair, decoding_pair, tmp_path
+):
+    """Sampled without a seed, the ranks take the seed rank 0 drew (each
+    drawing its own would split the noise): the text is the whole model's
+    with the seed the summary names."""
+    command = main_args(converted_pair, "--prompt", PROMPTS[1], "--temp", "0.8", "--num-draft", "3")
+    first, second = run_group([command, command], tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert_silent(second)
+    seed = int(re.search(r"Seed: (\d+)", first.stderr)[1])
+    main, draft, tokenizer = decoding_pair
+    alone = SpeculativeDecoder(main, draft, tokenizer, num_draft=3).speculative_decode(
+        PROMPTS[1], max_tokens=MAX_TOKENS, temp=0.8, seed=seed
+    )
+    assert first.stdout == alone.text + "\n"
+
+
 def test_tensor_parallel_prompts_auto_equals_single_process(converted_pair, greedy_texts, tmp_path):
     """--prompts with auto's draft length (rank 0's choices) and --output:
     every prompt's greedy text is the whole model's; one file, rank 0's."""
@@ -260,6 +279,7 @@ def test_result_round_trip(decoding_pair):
         calibration_time=0.25,
         elapsed=1.5,
         finished=True,
+        seed=2**64 - 12345,
     )
     row = distributed.packed(11, result, MAX_TOKENS + 1)
     assert distributed.unpacked(row, MAX_TOKENS + 1, tokenizer) == (11, result)
