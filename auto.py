@@ -48,11 +48,9 @@ PROBE_EVERY = 8
 PROBE_OPTIMISM = 4
 HOPELESS_PROBE_EVERY = 64
 # While it drafts, every this many rounds (a multiple of 2 * PROBE_EVERY)
-# the probe is a plain step instead, so that plain rounds stay timed. Where
-# drafting pays, each costs what it does not deliver: every 16 rounds, auto
-# made 0.92x the better of regular decoding and fixed g at B = 4 of the
-# benchmark pair, every 64 1.01x (in the same runs; 0.92x and 0.94x at
-# B = 8 of other prompts, where drafting does not pay).
+# the probe is a plain step instead, so that plain rounds stay timed. Rare,
+# because where drafting pays each costs what it does not deliver
+# (docs/benchmarks.md, 2026-11-27).
 PLAIN_PROBE_EVERY = 8 * PROBE_EVERY
 # "auto" weighs the median time of the last this many rounds of each length.
 TIMED_ROUNDS = 9
@@ -62,37 +60,30 @@ PRIOR_ACCEPTANCE = 0.75
 PRIOR_WEIGHT = 4
 # Rounds timed over more rows stand in for the batch's own only up to this
 # factor of it, and over fewer rows never: a round's cost relative to a plain
-# step grows with the rows (at g = 1 on the benchmark pair, 1.5 at 8 rows,
-# 2.0 at 32), so that fewer rows' timings understate it. A batch of 32 that
-# took 8 rows' timings drafted where it did not pay; one whose rows had
-# dropped to 24 took 16 rows' timings and started drafting in its last
-# rounds, where regular decoding's steps were 23-38 ms and its own 50-67.
+# step grows with the rows, so that fewer rows' timings understate it
+# (docs/benchmarks.md, 2026-11-25 and 2026-11-26).
 NEAREST_ROWS_RATIO = 1.5
 # "auto" judges its choices by the tokens they deliver (``Deliveries``): per
 # bucket of batch sizes (``rows_bucket``), the seconds and tokens of the last
 # JUDGED_WINDOW rounds that drafted and of those that did not. A bucket is
 # judged once JUDGED_ROUNDS rounds drafted, and a trial of drafting where it
-# lost is that many rounds: fewer weighed the draft model's start too much
-# (at one row of the benchmark pair, the first of 4 drafted rounds took
-# 40-48 ms where the others took 25-38 and a plain step 20).
+# lost is that many rounds: over fewer, the draft model's start, paid by the
+# first drafted round, weighs too much (docs/benchmarks.md, 2026-11-28).
 JUDGED_ROUNDS = 8
 JUDGED_WINDOW = 32
 # Drafting is vetoed where its seconds per token exceed plain steps' by more
-# than this many standard errors of the difference. A drafted round's tokens
-# vary from 1 to g + 1, so that at one row of the benchmark pair 8 rounds'
-# mean varied by about a quarter: judged by the means alone, drafting that
-# made 1.4x regular decoding's tokens/s was vetoed and taken up again in
-# turn, and auto made 0.77x the best fixed g. One, not two: where drafting
-# pays much, as there, its mean is many errors ahead either way, and where
-# it is close a wrong veto costs little; with two, auto kept drafting at 8
-# rows where it lost 7% to plain steps (0.94x regular decoding, against
-# 0.96x with one, in the same runs; 0.96x and 0.98x on other prompts).
+# than this many standard errors of the difference: a drafted round's tokens
+# vary from 1 to g + 1, so that the mean of a few rounds is too noisy to
+# judge by alone (docs/how-it-works.md). One error is enough: where drafting
+# pays much its mean is many errors ahead either way, and where it is close
+# a wrong veto costs little, while a wider margin keeps drafting where it
+# loses (docs/benchmarks.md, 2026-11-27).
 VETO_ERRORS = 1.0
 # Plain steps first in a bucket not yet judged, to judge drafting against.
 PLAIN_FIRST = 4
 # Where drafting lost, the plain time to run before the next trial is what
 # the last one lost over this share: trials cost at most this share of the
-# time where drafting never pays (the issue's bound: 3%).
+# time where drafting never pays.
 EXPLORATION_SHARE = 0.02
 DRAFT_SOURCES = ("model", "lookup")
 # After a drafted round the draft model's cache lacks at most this many of
@@ -102,8 +93,8 @@ STEADY_CATCH_UP = 2
 
 # Token counts per row at which ``pass_times`` times a pass. A pass's time
 # grows smoothly with its width, linearly once the products are wide: it is
-# interpolated in between and extrapolated past the last (timing every width
-# up to 17 took 12 s at 32 rows of the benchmark pair).
+# interpolated in between and extrapolated past the last, since timing every
+# width takes seconds at many rows (docs/how-it-works.md).
 TIMED_PASS_LENGTHS = (1, 2, 3, 4, 6, 9)
 
 
@@ -126,9 +117,9 @@ def pass_times(
 
     Passes over more tokens are timed on rows that end at different
     columns, as rows that accept different numbers of draft tokens do: their
-    cache writes are a scatter (at 32 rows of the benchmark pair a plain
-    pass took 51.0 ms so against 47.1). A plain step is timed on even rows,
-    as regular decoding takes it."""
+    cache writes are a scatter, which costs more than the one write of even
+    rows (docs/how-it-works.md). A plain step is timed on even rows, as
+    regular decoding takes it."""
     lengths = [n for n in TIMED_PASS_LENGTHS if n <= max_length]
     start = mx.full((batch_size, 1), model.args.decoder_start_token_id)
 
@@ -212,10 +203,10 @@ def draft_start_cost(
     ``start_seconds`` to encode its rows' prompts and catch its cache up on
     their tokens so far, spread over the ``tokens_left`` that ``rows`` rows
     may still generate, a plain step over them taking ``plain_seconds``.
-    Drafting must beat a plain step by that much to pay for it: on the
-    benchmark pair at 16 and 32 rows a drafted round's tokens are worth
-    about what it costs: the draft model's encoding lost auto 3-5% of a
-    call there, and a start late in a batch a catch-up pass besides."""
+    Drafting must beat a plain step by that much to pay for it: where a
+    drafted round's tokens are worth about what it costs (many rows), the
+    draft model's encoding, and a catch-up pass for a start late in a
+    batch, decide whether drafting pays (docs/benchmarks.md, 2026-11-26)."""
     return start_seconds / tokens_left / (plain_seconds / rows)
 
 
@@ -263,11 +254,10 @@ class RoundTimes:
         both plain and drafted rounds were timed over: what each length
         costs over a plain step, as calibrated, times one factor, the least
         squares fit (weighted by rounds timed) to the timed lengths' median
-        over that of plain rounds. One factor, not each length's own median:
-        a length timed over a few rounds is noisy, and at one row of the
-        benchmark pair such medians (g = 3 at 1.81 plain steps, g = 2 at
-        1.86) steered auto to g = 1 where g = 3 made 1.4x regular decoding.
-        Calibrated as they are until both were timed."""
+        over that of plain rounds. One factor for all lengths: a length's
+        own median over a few rounds is noisy enough to steer auto to the
+        wrong g (docs/how-it-works.md). Calibrated as they are until both
+        were timed."""
         timed = [
             rows
             for rows, rounds in self.seconds.items()

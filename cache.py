@@ -16,15 +16,15 @@ def keep_buffer_rows(buffer: mx.array, rows: list[int]) -> mx.array:
     rows past them are left unused. When ``rows`` is in the order of
     ``compacted_rows``, only the rows moving into dropped places are copied,
     into ``buffer`` itself; otherwise all are gathered into a new buffer.
-    (Gathering every cache of a 32-row batch of the benchmark pair into new
-    memory took 50-800 ms, mostly first touches of fresh pages.)"""
+    In place, because gathering a batch's caches into new memory costs
+    first touches of fresh pages (docs/benchmarks.md, 2026-11-28)."""
     moved = [i for i, row in enumerate(rows) if row != i]
     if any(rows[i] < len(rows) for i in moved):
         return buffer[mx.array(rows)]
     if moved:
         source = buffer[mx.array([rows[i] for i in moved])]
         mx.eval(source)  # first, so that the writes below reuse buffer's memory
-        for k, i in enumerate(moved):  # row writes: a scatter took 3x as long
+        for k, i in enumerate(moved):  # row writes: faster than a scatter
             buffer[i : i + 1] = source[k : k + 1]
     return buffer
 
@@ -52,12 +52,12 @@ class KVCache:
     Row i's position p lies at column ``starts[i] + p`` of the storage, so
     that rows which joined later write where the others do: one write
     covers every row while their columns agree (with different columns each
-    row's positions are scattered, which on the CPU cost as much as copying
-    the whole storage: 4 ms of a 37 ms step at 32 rows). A row with nothing
-    cached starts at the batch's column; the columns before a row's start
-    are hidden by the mask (``DecoderCache.reserve``). Storage grows in
-    chunks of ``step`` columns, so appending is a write, not a
-    concatenation; growing also aligns every row's end to the same column.
+    row's positions are scattered, which on the CPU costs about as much as
+    copying the whole storage). A row with nothing cached starts at the
+    batch's column; the columns before a row's start are hidden by the mask
+    (``DecoderCache.reserve``). Storage grows in chunks of ``step``
+    columns, so appending is a write, not a concatenation; growing also
+    aligns every row's end to the same column.
     ``trim`` only moves a row's end marker: what lies past it is hidden by
     the causal mask (it is "later" than every query of the row) and
     overwritten by the row's next tokens. The storage may hold more rows
@@ -66,10 +66,7 @@ class KVCache:
     """
 
     # Small, because a batch's first pass fills all its storage with zeros,
-    # touching fresh pages: with 256, the first pass of 32 rows of the
-    # benchmark pair took 0.3-0.8 s (a later pass 0.07 s), with 64 0.09-0.2 s,
-    # and regular decoding of its 32 prompts at B = 32 went from 173 to 204
-    # tokens/s, whole calls (docs/benchmarks.md).
+    # touching fresh pages (docs/benchmarks.md, 2026-11-25).
     step = 64
 
     def __init__(self, batch_size: int = 1):
@@ -251,8 +248,8 @@ class DecoderCache:
             arrays = []
             for buffer, new_array in zip(batch_kv, new_kv):
                 buffer = pad_to(pad_to(buffer, width, 2), batch_size, 0)
-                # A slice per row: written in place, where a scatter by row
-                # index took 8 ms per prompt joining a batch of 8.
+                # A slice per row: written in place, cheaper than a scatter by
+                # row index (docs/benchmarks.md, 2026-11-28).
                 for i, row in enumerate(rows):
                     buffer[row : row + 1] = pad_to(new_array[i : i + 1], width, 2)
                 arrays.append(buffer)
@@ -280,9 +277,8 @@ class DecoderCache:
         """Cut the cross-attention buffers to the longest prompt of the
         batch once a longer one has left it: every row's decoding step
         attends over the whole width, so a long prompt that finished would
-        otherwise slow every row until the batch empties (on the benchmark
-        pair, rows beside a finished 2,086-token prompt stepped in 52 ms
-        where 12 ms before). Copied, so that the wide buffers are freed."""
+        otherwise slow every row until the batch empties (docs/serving.md).
+        Copied, so that the wide buffers are freed."""
         width = max(self.prompt_lengths)
         if width < self.cross_buffers[0][0].shape[2]:
             self.cross_buffers = [
@@ -294,9 +290,9 @@ class DecoderCache:
 def joined_caches(caches: list[DecoderCache], rows: list[int]) -> DecoderCache:
     """One cache of the fresh ``caches``' rows: row i is ``rows[i]`` of
     their rows taken in turn. Each layer's keys and values are copied once,
-    and the parts freed layer by layer, so that memory grows by one layer's
-    (admitting the caches one by one copied every layer at each, 30% of the
-    prompt time of 32 prompts encoded in 7 passes)."""
+    and the parts freed layer by layer, so that memory grows by one layer's;
+    admitting the caches one by one would copy every layer at each
+    (docs/benchmarks.md, 2026-11-28)."""
     width = max(cache.cross_buffers[0][0].shape[2] for cache in caches)
     index = None if rows == sorted(rows) else mx.array(rows)
     cross = []

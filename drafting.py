@@ -180,11 +180,11 @@ class ModelDrafter:
     each row has its own place in the draft model's cache.
 
     A ``lazy`` drafter encodes its rows' prompts when it first proposes
-    tokens, not before: auto
-    may never draft (at 32 rows of the benchmark pair a round of one draft
-    token cost over twice a plain step), and encoding the prompts of a batch
-    of 32 for the draft model cost 3 plain steps. The rows' sequences catch
-    up in the draft cache when it proposes, as after plain steps."""
+    tokens, not before: auto may never draft (at many rows a round of one
+    draft token costs over twice a plain step), and encoding a batch's
+    prompts for the draft model costs several plain steps
+    (docs/benchmarks.md, 2026-11-26). The rows' sequences catch up in the
+    draft cache when it proposes, as after plain steps."""
 
     source = "model"
 

@@ -138,8 +138,8 @@ def load_tokenizer(path: str | Path):
     except (OSError, ValueError):
         config = {}
     if config.get("tokenizer_class") in T5_TOKENIZERS and (Path(path) / "tokenizer.json").is_file():
-        # Importing AutoTokenizer took 1.95 s here, T5TokenizerFast 0.89 s:
-        # main.py with one prompt took 2.6 s in all instead of 4.3-4.5.
+        # The same tokenizer as AutoTokenizer's, in under half its import
+        # time, a large part of a short command's (docs/benchmarks.md, 2026-11-26).
         from transformers import T5TokenizerFast
 
         tokenizer = T5TokenizerFast.from_pretrained(str(path))

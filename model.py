@@ -175,9 +175,8 @@ def side_by_side(heads: mx.array) -> mx.array:
 # The encoder's self-attention runs over blocks of queries, each block's
 # float32 scores taking at most this many bytes: memory grows with the
 # prompt's length, not its square (no [B, heads, S, S] array exists), and a
-# block's scores stay in the CPU's caches while softmax reads them (on the
-# benchmark pair's draft, 8 MB blocks were the fastest or within 5% of it
-# at 2,500 and 10,000 tokens, against 2, 16 and 64 MB).
+# block's scores stay in the CPU's caches while softmax reads them
+# (docs/converting.md).
 ENCODER_BLOCK_BYTES = 1 << 23
 
 
@@ -191,9 +190,8 @@ def encoder_block_size(batch_size: int, num_heads: int, length: int) -> int:
 
 # The encoder works in slices of about this many multiply-adds (a block of
 # 8 MB of scores is about as much attention), so that a batch can decode
-# between two of them (see ``T5.prompt_cache_slices``): one took about 15 ms
-# on 2 cores of the Zen 4, where a round of the benchmark pair decoding one
-# row took 25 ms.
+# between two of them (see ``T5.prompt_cache_slices``): a slice takes less
+# time on the CPU than a round over one row (docs/benchmarks.md, 2026-11-28).
 ENCODER_SLICE_WORK = 1 << 29
 
 T = TypeVar("T")
@@ -284,9 +282,8 @@ class Attention(nn.Module):
 class SelfAttention(Attention):
     """Attention of a sequence over itself. Its queries, keys and values
     come from one product with the three projections stacked (``qkv_proj``,
-    [3 * heads * d_kv, d_model]): one weight read and one product instead
-    of three, which made a decoder pass of the benchmark pair's main model
-    0.93x the time at 1 row and 0.94x at 8 (docs/benchmarks.md)."""
+    [3 * heads * d_kv, d_model]): one weight read and one product for the
+    three, which makes a decoder pass faster (docs/benchmarks.md, 2026-11-26)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
@@ -304,8 +301,7 @@ class SelfAttention(Attention):
         # Copied out of their heads' views once, for the attention's
         # products: a product copies a view whose rows are not packed, and
         # the keys', read transposed, as a transpose, several times slower
-        # than this copy (the benchmark pair's 32 prompts were encoded in
-        # 0.92-0.93x the time).
+        # than this copy (docs/benchmarks.md, 2026-11-26).
         return tuple(map(mx.contiguous, self.split_stacked(stacked)))
 
     def split_stacked(self, stacked: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -418,9 +414,8 @@ class EncoderLayer(nn.Module):
 
 # Prompts of a batch are encoded in one padded pass when the longest is at
 # most this many times the shortest: padding is work for nothing, and a pass
-# more costs little once it holds a few prompts. The 32 prompts of the
-# benchmark pair's file (8 to 67 tokens) took 1.31 s in 7 passes at 1.25,
-# 1.45-1.47 s in 5 or 3 at 1.5 and 2, 1.54 s in 11 at 1.1.
+# more costs little once it holds a few prompts. 1.25 encodes the benchmark
+# pair's prompts fastest of 1.1, 1.25, 1.5 and 2 (docs/benchmarks.md, 2026-11-25).
 ENCODE_TOGETHER_RATIO = 1.25
 
 
@@ -463,10 +458,8 @@ class DecoderLayer(nn.Module):
     (norms, projections, residual sums, the feed-forward block) works on the
     positions as rows [B * T, d_model], in ``RowsFunction``s: a decoder pass
     is a graph of about a thousand small operations, which MLX runs one at a
-    time, so fewer of them and less Python per pass pays: on the benchmark
-    pair, a pass of its main model took 0.92x the time at 1 row and 0.97x
-    at 8, one of its draft 0.84x and 0.92x; at 32 rows, the same
-    (docs/benchmarks.md)."""
+    time, so fewer of them and less Python per pass make passes faster,
+    most over few rows (docs/benchmarks.md, 2026-11-26)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -771,9 +764,9 @@ def weights_file(path: str | Path) -> Path:
 
     MLX reads each member of an .npz through Python, and the last reader's
     reference can be dropped on MLX's I/O thread after the interpreter has
-    begun to exit: a script that loaded such a model and ended at once
-    aborted (SIGABRT, "terminate called without an active exception") in 9
-    runs of 16, and 0 of 16 from safetensors, which also loaded 2.7x faster."""
+    begun to exit: a script that loads such a model and ends at once may
+    abort (SIGABRT, "terminate called without an active exception"), which
+    safetensors, faster to load too, avoids (docs/converting.md)."""
     for name in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE):
         if (Path(path) / name).is_file():
             return Path(path) / name

@@ -59,20 +59,16 @@ HOLD_FREE_ROWS = 2
 
 # While rows decode, a generator that interleaves encoding with its rounds
 # spends at most this share of its time encoding joining prompts, on
-# average: the rows keep at least 1 - ENCODING_SHARE of their tokens/s
-# (issue 49 asks for three quarters). What a pass encodes within
-# JOINING_ROUNDS rounds' time per prompt is not held back: a server's usual
-# request joins at once, where held to the share, at 8 rows of the
-# benchmark pair, requests of 30-odd tokens queued for their encoding and
-# waited up to 10 s for their first token (0.05 s alone).
+# average: the rows keep at least 1 - ENCODING_SHARE of their tokens/s.
+# What a pass encodes within JOINING_ROUNDS rounds' time per prompt is not
+# held back: a server's usual request joins at once, where held to the
+# share it would queue behind busy rows for seconds (docs/serving.md).
 ENCODING_SHARE = 0.2
 
 # Rounds' time, per prompt, a pass encodes at once (see ENCODING_SHARE).
-# Two, not one: at few rows a round is shorter than a usual prompt's
-# encoding (on the benchmark pair, 13 ms at 1 row against 20 ms for a
-# 25-token prompt, both models), and with one, of 8 requests sent at once
-# to a server, those after the first pass queued 6 to 21 rounds for the
-# rest of their encoding: 0.2 to 1.1 s to their first tokens.
+# Two: at few rows a round is shorter than a usual prompt's encoding, so
+# that with one, requests sent together would wait many rounds for the rest
+# of their encoding (docs/serving.md).
 JOINING_ROUNDS = 2
 
 # With no row decoding, ``next`` encodes for about this long and returns, so

@@ -1032,8 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     status = main()
     # Skip interpreter teardown: MLX's native state of the decoding thread
-    # sometimes aborts the process as it is destroyed (seen: SIGABRT after
-    # a clean shutdown), which would turn a graceful exit into a crash.
+    # sometimes aborts the process as it is destroyed (SIGABRT after a
+    # clean shutdown), which would turn a graceful exit into a crash.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

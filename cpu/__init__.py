@@ -23,7 +23,7 @@ _others = busy.OtherProcesses()
 def prepare(model: nn.Module, choose_form: Callable[..., str] | None = None) -> None:
     """Make ``model`` (a ``model.T5``) compute as this CPU does fastest:
     OpenBLAS on the cores other processes left free since the last look
-    (threads that wait for a busy core made runs several times as long:
+    (threads that wait for a busy core make runs several times as long:
     README.md), its float32 weights laid out in the product form timed
     fastest here (:mod:`cpu.forms`; not timed while others are busy), and
     the CPU's softmax for its attention (:mod:`cpu.attention`). The same

@@ -23,11 +23,10 @@ class CompiledPerShape:
     """``mx.compile(function)``, traced for each shape of its arguments,
     that forgets the shapes it traced once it holds ``MAX_TRACED_SHAPES``:
     MLX keeps every shape's trace while the compiled function lives (about
-    40 KB each; 10,000 shapes grew a process by 360 MB), and a decoder's
-    keys grow by one at every pass, prompts come in every length. (The
-    softmax below compiled once for every shape, ``shapeless=True``, took
-    1.25x the time over long prompts, and MLX 0.32 crashed on it over a
-    single key: docs/benchmarks.md.)"""
+    40 KB each), and a decoder's keys grow by one at every pass, prompts
+    come in every length (docs/linux.md). Per shape, because compiled once
+    for every shape (``shapeless=True``) the softmax below is slower over
+    long prompts, and MLX 0.32 crashes on it over a single key."""
 
     def __init__(self, function: Callable):
         self.function = function
@@ -55,8 +54,8 @@ MAX_TRACED_SHAPES = 256
 def softmax_cpu(scores: mx.array) -> mx.array:
     """Softmax over the last axis of float32 ``scores``, with exp computed as
     2^n e^r (n an integer, |r| <= ln(2)/2, e^r by its Taylor polynomial,
-    relative error ~1e-6). MLX's own exp is a scalar loop on the CPU (about
-    13 ns per value here): a 400-token encoder spent 40% of its time in it.
+    relative error ~1e-6). MLX's own exp is a scalar loop on the CPU, where
+    long prompts' encoders spend much of their time (cpu/README.md).
     Scores 87 or more below the row's largest (masked ones: -inf) get weight
     e^-87 ~ 1e-38 instead of 0, which no float32 sum can tell apart."""
     x = mx.maximum(scores - scores.max(axis=-1, keepdims=True), -87.0)
@@ -72,10 +71,9 @@ def softmax_cpu(scores: mx.array) -> mx.array:
 
 
 # Fewer scores than this (a decoder step of a few rows) take less time in
-# MLX's exp than calling a compiled function adds. At 32 rows x 16 heads x 60
-# keys, attention took 0.74x the time through softmax_cpu (a one-row step
-# 1.24x); regular decoding of the benchmark pair's file at B = 32 made 4-5%
-# more tokens/s than with this at 65,536 (docs/benchmarks.md).
+# MLX's exp than calling a compiled function adds; a step of many rows has
+# enough scores for softmax_cpu to pay (cpu/README.md, docs/benchmarks.md,
+# 2026-11-25).
 SOFTMAX_CPU_MIN_SCORES = 1 << 11
 
 

@@ -35,8 +35,8 @@ when it is loaded, so set it before importing this module.
 Idle threads. After a product, OpenBLAS's threads spin for
 ``2^OPENBLAS_THREAD_TIMEOUT`` CPU cycles before they sleep: 2^28 (about
 0.1 s) unless that is set. A decoder pass is a chain of short products
-between MLX's own operations, so they spun through all of it, on cores
-that MLX's threads needed. OpenBLAS is loaded with a timeout of
+between MLX's own operations, so they would spin through all of it, on
+cores that MLX's threads need. OpenBLAS is loaded with a timeout of
 ``THREAD_TIMEOUT`` (unless ``OPENBLAS_THREAD_TIMEOUT`` is set), only
 while it loads: the environment is left as it was, for other processes.
 
@@ -112,10 +112,9 @@ SYSTEM_NAMES = ("libopenblas.so.0", "libopenblas.so")
 VENDORED_RUNTIMES = ("libquadmath", "libgfortran")
 THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
 # log2 of the CPU cycles OpenBLAS's idle threads spin before they sleep: its
-# least. On a 2-core Zen 4, against OpenBLAS's 28, whole calls of the
-# benchmark pair took 0.91-0.94x the time at B = 1 and 0.94-0.96x at B = 8
-# (medians of four processes each; 10 and 14 within noise of 4), and a pass
-# of its draft model 1.70 ms instead of 2.34 (2.59 with 18; docs/benchmarks.md).
+# least, so that they leave the cores to MLX between products; whole calls
+# take less time than with OpenBLAS's 28, and no more than with 10 or 14
+# (docs/benchmarks.md, 2026-11-26).
 THREAD_TIMEOUT = "4"
 
 _loaded: str | None = None

@@ -24,11 +24,9 @@ def machine_cpu_seconds() -> float | None:
 
 
 # Other processes that use more than this share of a CPU while the forms are
-# timed make the timings unfit to keep. On a 2-core Zen 4, while each shape
-# of the benchmark pair was timed, a busy loop in another process took 0.6-0.9
-# of a CPU, a loop of numpy products 1.1-1.2, a quiet machine at most 0.14;
-# with the numpy loop, 2 to 4 of five shapes took another form than on the
-# quiet machine, in each of four loads (docs/benchmarks.md).
+# timed make the timings unfit to keep: a busy process takes well over it, a
+# quiet machine well under, and forms timed beside a busy process can come
+# out otherwise than on the quiet machine (docs/benchmarks.md, 2026-11-26).
 BUSY_SHARE = 0.25
 # /proc/stat counts in ticks (100 a second), on every CPU: what other
 # processes used can read up to about this much too high on a quiet machine.

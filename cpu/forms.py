@@ -27,23 +27,17 @@ from cpu.busy import OtherProcesses
 
 # The ways a float32 ``nn.Linear`` can compute ``x W^T`` on the CPU: with
 # ``W`` as stored, or laid out as its transpose. Which is faster depends on
-# the weight's shape and on the CPU: on a Zen 4 and a Zen 5 with few_rows.c's
-# broadcast kernel, weights with 256 inputs took 0.62-0.8x the plain form's
-# time transposed; without its AVX-512 kernels, 1.26-1.39x (docs/benchmarks.md).
-# (A third form, ``(W x^T)^T``, which once streamed the weight through
-# OpenBLAS's kernels, took 1.12-1.81x the plain form's time at every shape of
-# the benchmark pair since few_rows.c streams few-row products itself, with
-# and without AVX-512: it is gone.)
+# the weight's shape and on the CPU: with few_rows.c's AVX-512 broadcast
+# kernel, weights with 256 inputs are faster transposed, without it slower
+# (cpu/README.md, docs/benchmarks.md, 2026-11-27).
 PRODUCT_FORMS = ("plain", "transposed")
 # Rows at which store_for_cpu times the forms: a decoder step of one prompt,
 # and of a batch or a verify pass.
 TIMED_ROWS = (1, 8)
 # Weights smaller than this (in elements) keep the plain form: their
 # products take a few microseconds, too few to matter. The 256 x 256
-# projections of the benchmark pair's draft are timed: at 8 rows OpenBLAS
-# took 46 us for them plain, few_rows.c's broadcast kernel 36 transposed,
-# and a draft pass at 8 rows took 0.86x the time with them transposed
-# (docs/benchmarks.md).
+# projections of the benchmark pair's draft are timed, since transposed
+# they make its passes faster (docs/benchmarks.md, 2026-11-26).
 TIMED_FORM_MIN_SIZE = 1 << 16
 # Another form replaces the plain one only when it takes at most this share
 # of its time, so that near-ties do not make two loads of a model on one
@@ -103,8 +97,8 @@ def form_times(
 
 
 # The forms store_for_cpu chose, by blas.machine_key, shape, type and forms
-# timed, in blas.cache_directory(): timing them took 0.75 s of the 0.98 s
-# that loading the benchmark pair's main model took.
+# timed, in blas.cache_directory(): timing them takes most of a model's
+# load (docs/linux.md).
 FORMS_FILE = "forms.json"
 
 
