@@ -1,0 +1,265 @@
+"""What each of ``--num-draft auto``'s mechanisms adds: whole calls interleaved
+in one process.
+
+    python benchmarks/auto_mechanisms.py --model-name MAIN --draft-model-name DRAFT \\
+        --prompts FILE [--batch-sizes 1,8,32] [--num-draft 2,3,4] [--rounds 3] \\
+        [--max-tokens 48] [--without all|none|NAME,...] [--output OUTPUT.json]
+
+At each batch size B the prompt file is decoded in one call by each engine:
+regular decoding, speculative decoding at each fixed ``--num-draft``, auto,
+auto again (a second decoder of its own: the runs' noise, auto against
+itself) and auto without each mechanism of ``MECHANISMS`` (the library's
+code with that one mechanism switched off around the engine's calls). Each
+engine has a decoder of its own, so that what auto carries from call to
+call (costs, acceptance, round times, verdicts) is its own, and an untimed
+warm-up call (8 tokens a prompt), where auto calibrates. Then ``--rounds``
+rounds, in each one call of every engine, the order rotating from round to
+round, so that drift in the machine's speed hits all alike.
+
+Reported per B and engine: the median seconds of a whole call (prompts
+included), and the median over rounds of its time over auto's in the same
+round; for auto, the better of regular decoding and the best fixed g over
+auto. At temperature 0 every output must equal regular decoding's; a
+mismatch stops the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from pathlib import Path
+from unittest import mock
+
+# The example's modules live one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Full float32 (outputs are compared token for token), then the BLAS: both
+# before anything imports mlx.
+from cli import full_float32  # isort: skip
+
+full_float32()
+from cpu import blas  # noqa: F401  # isort: skip
+import numpy as np
+
+import auto
+import decoder
+from loading import load_tokenizer
+from model import load_model
+
+WARM_UP_TOKENS = 8
+
+
+def one_rate(self, source, rows=None, luck=0):
+    """``AutoDraftLength.rates`` with one rate for every position: the mean
+    of the positions' rates, weighted by the tokens tested at each."""
+    per_position = np.atleast_2d(ORIGINAL_RATES(self, source, rows, luck))
+    tested = self.counts[source][1]
+    if rows:
+        tested = np.stack([row[source][1] for row in rows]) + auto.PRIOR_WEIGHT
+    tested = np.broadcast_to(tested, per_position.shape)
+    mean = (per_position * tested).sum(axis=1) / tested.sum(axis=1)
+    rates = np.repeat(mean[:, None], per_position.shape[1], axis=1)
+    return rates if rows else rates[0]
+
+
+ORIGINAL_RATES = auto.AutoDraftLength.rates
+ORIGINAL_CHOOSE = auto.AutoDraftLength.choose
+
+
+def choose_for_the_batch(self, source, batch_size=1, rows=None, start_cost=0.0):
+    """``AutoDraftLength.choose`` with the generation's rates for every row."""
+    return ORIGINAL_CHOOSE(self, source, batch_size, None, start_cost)
+
+
+def linear_costs(self, model, draft_model, prompt_lookup, prompt_ids, batch_size=1):
+    """``Auto.measure_costs`` without timing anything: the paper's round cost
+    ``1 + g c``, c the draft model's multiply-adds per token over the main
+    model's (lookup: free drafts, a verify pass as cheap as a step)."""
+    step = draft_model.args.decode_work / model.args.decode_work if draft_model else 0.0
+    costs = {"model": [1 + g * step for g in range(auto.MAX_AUTO_DRAFT + 1)]}
+    costs["lookup"] = [1.0] * (auto.MAX_AUTO_DRAFT + 1)
+    return costs
+
+
+def patched(target, name, value) -> Callable[[decoder.SpeculativeDecoder], AbstractContextManager]:
+    return lambda engine: mock.patch.object(target, name, value)
+
+
+class forgetting:
+    """Each call starts from the prior alone, not from the decoder's earlier
+    calls' acceptance."""
+
+    def __init__(self, engine: decoder.SpeculativeDecoder):
+        self.engine = engine
+
+    def __enter__(self):
+        self.engine.auto.acceptance.clear()
+
+    def __exit__(self, *exc):
+        return False
+
+
+# name: (what it is, how to switch it off around an engine's calls)
+MECHANISMS: dict[str, tuple[str, Callable]] = {
+    "rates per position": (
+        "one acceptance rate for all draft positions instead",
+        patched(auto.AutoDraftLength, "rates", one_rate),
+    ),
+    "rates per row": (
+        "the batch's rates for every row",
+        patched(auto.AutoDraftLength, "choose", choose_for_the_batch),
+    ),
+    "acceptance carried": (
+        "each call starts from the prior, not from earlier calls",
+        forgetting,
+    ),
+    "calibration": (
+        "round costs 1 + g c from the models' sizes, no timing",
+        patched(auto.Auto, "measure_costs", linear_costs),
+    ),
+    "round times": (
+        "the calibrated costs as they are, not corrected by timed rounds",
+        patched(auto.RoundTimes, "costs", lambda self, source, calibrated, rows: calibrated),
+    ),
+    "nearest rows": (
+        "timings of the batch's own number of rows only",
+        patched(auto, "NEAREST_ROWS_RATIO", 1.0),
+    ),
+    "catch-up rounds untimed": (
+        "rounds whose draft model caught up on plain steps timed too",
+        patched(auto, "STEADY_CATCH_UP", 10**9),
+    ),
+    "start cost": (
+        "starting the lazy draft model weighs nothing",
+        patched(auto.DraftStart, "cost", lambda self, rows, limits, times: 0.0),
+    ),
+    "lazy draft model": (
+        "the draft model encodes every prompt as it joins",
+        patched(decoder.SpeculativeDecoder, "lazy_drafting", False),
+    ),
+    "probes": (
+        "no round drafts past the choice, no plain probe",
+        patched(auto, "PROBE_EVERY", 10**9),
+    ),
+    "plain probes": (
+        "no plain probe while drafting",
+        patched(auto, "PLAIN_PROBE_EVERY", auto.PROBE_EVERY),
+    ),
+    "hope": (
+        "every probe drafts one token more",
+        patched(auto, "PROBE_OPTIMISM", 10**9),
+    ),
+    "verdict": (
+        "no judging by delivered tokens: no veto, no plain steps first",
+        lambda engine: _never_vetoed(),
+    ),
+}
+
+
+def _never_vetoed() -> AbstractContextManager:
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(auto.Deliveries, "allows_drafting", lambda s, b: True))
+    stack.enter_context(mock.patch.object(auto.Deliveries, "vetoes", lambda s, b: False))
+    return stack
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-name", required=True)
+    parser.add_argument("--draft-model-name", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--num-draft", default="2,3,4")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument(
+        "--without", default="all", help="mechanisms to switch off (comma-separated), all or none"
+    )
+    parser.add_argument("--output", help="a JSON file for every call's seconds")
+    args = parser.parse_args()
+
+    named = {"all": list(MECHANISMS), "none": []}
+    without = named[args.without] if args.without in named else args.without.split(",")
+    unknown = [name for name in without if name not in MECHANISMS]
+    if unknown:
+        parser.error(f"unknown mechanism {unknown[0]!r}; known: {', '.join(MECHANISMS)}")
+    model, draft = load_model(args.model_name), load_model(args.draft_model_name)
+    tokenizer = load_tokenizer(args.model_name)
+    prompts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+
+    # engine name: (num_draft, speculative, switch)
+    engines = {"regular": (3, False, None)}
+    engines |= {f"g = {g}": (int(g), True, None) for g in args.num_draft.split(",")}
+    engines |= {"auto": ("auto", True, None), "auto again": ("auto", True, None)}
+    engines |= {f"without {name}": ("auto", True, MECHANISMS[name][1]) for name in without}
+
+    seconds: dict[str, dict[str, list[float]]] = {}
+    calibration: dict[str, dict[str, float]] = {}
+    for batch_size in map(int, args.batch_sizes.split(",")):
+        decoders = {
+            name: decoder.SpeculativeDecoder(model, draft, tokenizer, num_draft=num_draft)
+            for name, (num_draft, _, _) in engines.items()
+        }
+
+        reference = None
+        cell_calibration = calibration.setdefault(str(batch_size), {})
+        for name in engines:
+            _, results = call(engines[name], decoders[name], prompts, batch_size, WARM_UP_TOKENS)
+            cell_calibration[name] = results[0].calibration_time
+        cell = seconds.setdefault(str(batch_size), {name: [] for name in engines})
+        names = list(engines)
+        for round_index in range(args.rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                elapsed, results = call(
+                    engines[name], decoders[name], prompts, batch_size, args.max_tokens
+                )
+                tokens = [list(result.tokens) for result in results]
+                reference = reference or tokens
+                if tokens != reference:
+                    sys.exit(f"B = {batch_size}, {name}: the tokens differ from the first engine's")
+                cell[name].append(elapsed)
+            print(f"B = {batch_size}, round {round_index + 1} of {args.rounds}", flush=True)
+            if args.output:
+                Path(args.output).write_text(
+                    json.dumps({"seconds": seconds, "calibration": calibration}, indent=1)
+                )
+        report(batch_size, cell)
+
+
+def call(engine, decoder_, prompts, batch_size, max_tokens) -> tuple[float, list]:
+    """Seconds of one whole call of ``engine`` (see ``main``) by ``decoder_``, and its results."""
+    _, speculative, switch = engine
+    run = decoder_.speculative_decode_batch if speculative else decoder_.generate_batch
+    with ExitStack() as stack:
+        if switch is not None:
+            stack.enter_context(switch(decoder_))
+        tic = time.perf_counter()
+        results = run(prompts, batch_size=batch_size, max_tokens=max_tokens)
+        return time.perf_counter() - tic, results
+
+
+def report(batch_size: int, cell: dict[str, list[float]]) -> None:
+    """A Markdown table of one batch size's calls."""
+    auto_seconds = cell["auto"]
+    print(f"\nB = {batch_size}: median seconds per call; median over rounds of its time / auto's")
+    print("| engine | seconds | time / auto's |")
+    print("| --- | --- | --- |")
+    for name, times in cell.items():
+        ratios = [t / a for t, a in zip(times, auto_seconds)]
+        print(f"| {name} | {statistics.median(times):.3f} | {statistics.median(ratios):.3f} |")
+    fixed = [name for name in cell if name.startswith("g = ")] + ["regular"]
+    better = min(statistics.median(cell[name]) for name in fixed)
+    print(
+        f"auto over the better of regular and the best fixed g: "
+        f"{better / statistics.median(auto_seconds):.3f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
