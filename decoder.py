@@ -274,14 +274,12 @@ class SpeculativeDecoder:
             self.draft_model, self.prompt_lookup, prompts, self.lazy_drafting, cache
         )
 
-    def draft_length(
-        self, prompts: list[list[int]], sampling: Sampling, batch_size: int
-    ) -> DraftLength:
+    def draft_length(self, prompts: list[list[int]], batch_sizes: list[int]) -> DraftLength:
         """The draft-length rule of a batch whose first rows are ``prompts``,
-        sampled by ``sampling``, its costs weighed at ``batch_size`` rows."""
+        its costs measured at each of ``batch_sizes`` rows."""
         if self.num_draft == "auto":
-            drafting = self.model, self.draft_model, self.prompt_lookup, self.delta
-            rule = self.auto.for_batch(*drafting, prompts[0], sampling, batch_size)
+            drafting = self.model, self.draft_model, self.prompt_lookup
+            rule = self.auto.for_batch(*drafting, prompts[0], batch_sizes)
             # In a group, rank 0's choices: every rank must run the same rounds.
             return shared_draft_length(rule, self.group)
         return FixedDraftLength(self.num_draft)

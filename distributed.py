@@ -231,24 +231,21 @@ def rank_zero_forms(group: mx.distributed.Group) -> Callable[..., str]:
 
 
 class RankZeroDraftLength:
-    """A ``drafting.DraftLength`` whose plans are rank 0's: whether a round
-    drafts and how many tokens from each source weigh timings, which differ
-    between ranks. Every rank plans (its drafter is its own to suspend) and
-    observes its own rounds; only rank 0's answers are used."""
+    """A ``drafting.DraftLength`` whose plans are rank 0's: how many tokens
+    each source drafts weighs timings, which differ between ranks. Every
+    rank plans and observes its own rounds; only rank 0's answers are used."""
 
     def __init__(self, draft_length: DraftLength, group: mx.distributed.Group):
         self.draft_length, self.group = draft_length, group
         self.calibration_seconds = draft_length.calibration_seconds
 
-    def plan(self, rows: list, limits: list[int], drafter) -> Callable[[str], int] | None:
+    def plan(self, rows: list, limits: list[int], drafter) -> Callable[[str], int]:
         budget = self.draft_length.plan(rows, limits, drafter)
-        if not rank_zero_value(int(budget is not None), self.group):
-            return None
         # The drafters ask every rank for the same sources in the same order.
-        return lambda source: rank_zero_value(budget(source) if budget else 0, self.group)
+        return lambda source: rank_zero_value(budget(source), self.group)
 
-    def observe(self, rows: list, outcome, round_seconds: float, delivered_seconds: float) -> None:
-        self.draft_length.observe(rows, outcome, round_seconds, delivered_seconds)
+    def observe(self, rows: list, outcome) -> None:
+        self.draft_length.observe(rows, outcome)
 
 
 def shared_draft_length(

@@ -74,9 +74,6 @@ class Draft:
     tokens: mx.array  # [B, g]: each row's tokens, right-padded with 0 past its length
     lengths: list[int]  # per row: tokens proposed (<= g)
     sources: list[str]  # per row: whose acceptance estimate the round updates
-    # Tokens the draft model's cache caught up on before drafting (the most
-    # of any row): 2 at most after a drafted round, more after plain ones.
-    caught_up: int = 0
 
     @classmethod
     def empty(cls, batch_size: int) -> Draft:
@@ -117,10 +114,6 @@ class Drafter(Protocol):
         """Whether a lazy draft model has yet to encode the rows' prompts (see
         ``ModelDrafter``): it neither drafts nor encodes joining prompts until then."""
 
-    def suspend(self) -> None:
-        """Drop a lazy draft model's cache, if any, until the next proposal:
-        meanwhile it costs nothing."""
-
 
 class DraftLength(Protocol):
     """How many tokens the rounds of a batch draft: asked before every round
@@ -129,15 +122,13 @@ class DraftLength(Protocol):
 
     calibration_seconds: float  # spent measuring before the batch's first round
 
-    def plan(self, rows: list, limits: list[int], drafter: Drafter) -> Callable[[str], int] | None:
+    def plan(self, rows: list, limits: list[int], drafter: Drafter) -> Callable[[str], int]:
         """The draft tokens per row of the next round over ``rows`` (at most
-        ``limits[i]`` for row i), as a function of the draft source; None
-        for a plain step."""
+        ``limits[i]`` for row i), as a function of the draft source (0 for
+        every source: a plain step)."""
 
-    def observe(self, rows: list, outcome, round_seconds: float, delivered_seconds: float) -> None:
-        """What the round over ``rows`` gave (``decoder.RoundOutcome``), the
-        seconds from its drafting to its results, and all the seconds the
-        loop waited for its tokens."""
+    def observe(self, rows: list, outcome) -> None:
+        """What the round over ``rows`` gave (``decoder.RoundOutcome``)."""
 
 
 @dataclass
@@ -150,7 +141,7 @@ class FixedDraftLength:
     def plan(self, rows: list, limits: list[int], drafter: Drafter) -> Callable[[str], int]:
         return lambda source: self.num_draft
 
-    def observe(self, rows: list, outcome, round_seconds: float, delivered_seconds: float) -> None:
+    def observe(self, rows: list, outcome) -> None:
         pass
 
 
@@ -202,8 +193,7 @@ class ModelDrafter:
         self.lazy = lazy
         if cache is None and not lazy:
             cache = model.prompt_cache(prompts)
-        # Per row (lazy): the prompt, for the proposal that first encodes
-        # them, or the first after ``suspend``.
+        # Per row (lazy): the prompt, for the proposal that first encodes them.
         self.prompts = [list(ids) for ids in prompts] if lazy else []
         self.cache = cache
         self.encoding_time = 0.0  # seconds proposals spent encoding prompts (lazy)
@@ -214,8 +204,7 @@ class ModelDrafter:
     ) -> None:
         """Give ``rows`` (restarted, or added past the batch) ``prompts``,
         whose cache is ``cache`` where encoded already; a lazy drafter keeps
-        their tokens too, and one that has not started (or was suspended)
-        only those."""
+        their tokens too, and one that has not started only those."""
         if self.lazy:
             self.prompts += [[]] * (max(rows) + 1 - len(self.prompts))
             for row, ids in zip(rows, prompts, strict=True):
@@ -232,13 +221,6 @@ class ModelDrafter:
     @property
     def start_pending(self) -> bool:
         return self.cache is None
-
-    def suspend(self) -> None:
-        """Drop the draft cache (lazy only): until the next proposal, which
-        encodes the rows' prompts again and catches up on their tokens, the
-        draft model costs nothing, not even for prompts that join."""
-        if self.lazy:
-            self.cache = None
 
     def propose(
         self,
@@ -274,7 +256,7 @@ class ModelDrafter:
         self.fed = num_draft - 1
         lengths = [min(num_draft, limit) for limit in limits]
         sources = [self.source] * len(limits)
-        draft = Draft(mx.stack(tokens, axis=1), lengths, sources, max(map(len, pending)))
+        draft = Draft(mx.stack(tokens, axis=1), lengths, sources)
         return mask_past_lengths(draft)
 
     def withdraw(self, rows: list[bool]) -> None:
@@ -330,9 +312,6 @@ class PromptLookupDrafter:
 
     def keep_rows(self, rows: list[int]) -> None:
         self.prompts = [self.prompts[row] for row in rows]
-
-    def suspend(self) -> None:
-        pass
 
     def propose(
         self,
@@ -391,9 +370,6 @@ class HybridDrafter:
     def start_pending(self) -> bool:
         return self.model.start_pending
 
-    def suspend(self) -> None:
-        self.model.suspend()
-
     def propose(
         self,
         sequences: list[list[int]],
@@ -441,5 +417,4 @@ def merge_drafts(first: Draft, second: Draft, use_first: list[bool]) -> Draft:
         mx.where(mx.array(use_first)[:, None], *padded),
         [a if use else b for a, b, use in zip(first.lengths, second.lengths, use_first)],
         [a if use else b for a, b, use in zip(first.sources, second.sources, use_first)],
-        max(first.caught_up, second.caught_up),
     )

@@ -149,7 +149,7 @@ class BatchGenerator:
         *,
         speculative: bool = True,
         max_batch_size: int = 8,
-        cost_batch_size: int | None = None,
+        cost_batch_sizes: list[int] | None = None,
         prompt_progress: Callable[[int, int], None] | None = None,
         interleave_encoding: bool = False,
     ):
@@ -158,8 +158,9 @@ class BatchGenerator:
         self.decoder = decoder
         self.speculative = speculative and decoder.drafting != "none"
         self.max_batch_size = max_batch_size
-        # "auto" weighs the costs measured at this many rows (default: the first rows' number).
-        self.cost_batch_size = cost_batch_size
+        # "auto" weighs the costs measured at these numbers of rows, each
+        # round those of the fewest at least its rows (default: the first rows').
+        self.cost_batch_sizes = cost_batch_sizes
         # Called as prompts are encoded: (0, total) first, then (k, total)
         # after each of the total encoder layers of the main and draft models.
         self.prompt_progress = prompt_progress
@@ -237,9 +238,8 @@ class BatchGenerator:
         a new result object every time, ``result.finished`` on a prompt's
         last (end of sequence or its ``max_tokens``). Empty when nothing
         decodes (prompts may be encoding)."""
-        round_start = time.perf_counter()
         # 1. Places: joining prompts encode and take places; places free too long leave.
-        shared_seconds = self._admit()
+        self._admit()
         self._drop_free_rows()
         live = [row for row in self.rows if row is not None]
         if not live:
@@ -281,15 +281,11 @@ class BatchGenerator:
             encoding_time = self.drafter.encoding_time - encoded_before
         # 4. Results: every live row takes its new tokens; finished rows leave.
         events = self._deliver(rows, outcome, encoding_time / len(live))
-        # 5. Measure: what the round cost and delivered, for the draft length
-        # and for the encoding of prompts that join.
-        end = time.perf_counter()
-        round_seconds = end - tic
+        # 5. Measure: the acceptance, for the draft length; the round's time,
+        # for the encoding of prompts that join.
         if self.draft_length is not None:
-            delivered_seconds = end - round_start - shared_seconds
-            self.draft_length.observe(
-                rows, outcome, round_seconds - encoding_time, delivered_seconds
-            )
+            self.draft_length.observe(rows, outcome)
+        round_seconds = time.perf_counter() - tic
         # Room for encoding at most one round's time at once.
         credit = self.encoding_credit + round_seconds * ENCODING_SHARE / (1 - ENCODING_SHARE)
         self.encoding_credit = min(credit, round_seconds)
@@ -375,14 +371,12 @@ class BatchGenerator:
         if self.drafter is not None:
             self.drafter.keep_rows(kept)
 
-    def _admit(self) -> float:
+    def _admit(self) -> None:
         """Start encoding waiting prompts while places allow (the prompts of
         each encoder pass together), then encode, shortest prompts first:
         all of it, or, interleaving, slices while the rounds' share of time
         allows (``_next_encoding``). Prompts whose encoding ends take free
-        rows, then new ones up to ``max_batch_size``. The seconds spent on
-        what every mode pays alike (see ``Deliveries``): encoding the joining
-        prompts and auto's calibration."""
+        rows, then new ones up to ``max_batch_size``."""
         encoding = sum(len(e.rows) for e in self.encodings)
         capacity = self.rows.count(None) + self.max_batch_size - len(self.rows) - encoding
         joining = [self.waiting.popleft() for _ in range(min(capacity, len(self.waiting)))]
@@ -398,7 +392,6 @@ class BatchGenerator:
                 self.encodings.append(Encoding(rows, slices))
             self.encodings.sort(key=lambda e: e.longest)
         idle_since, sliced = time.perf_counter(), False
-        shared_seconds = 0.0
         while self.encodings:
             encoding = self._next_encoding(sliced, idle_since)
             if encoding is None:
@@ -410,11 +403,9 @@ class BatchGenerator:
                 # Charged past its free seconds (see ENCODING_SHARE).
                 free = max(0.0, encoding.free_seconds(self.round_seconds) - seconds)
                 self.encoding_credit -= max(0.0, encoding.seconds - seconds - free)
-            shared_seconds += encoding.seconds - seconds
             if ended:
                 self.encodings.remove(encoding)
-                shared_seconds += self._join(encoding)
-        return shared_seconds
+                self._join(encoding)
 
     def _next_encoding(self, sliced: bool, idle_since: float) -> Encoding | None:
         """The pass to encode a slice of next, or None for none now: the
@@ -449,10 +440,9 @@ class BatchGenerator:
         draft_on_layer = None if self.decoder.lazy_drafting else on_layer
         return cache, (yield from draft_model.prompt_cache_slices(prompts, draft_on_layer))
 
-    def _join(self, encoding: Encoding) -> float:
+    def _join(self, encoding: Encoding) -> None:
         """Give the prompts of ``encoding``, which has ended, places in the
-        batch: free rows first, then new ones; the seconds auto's
-        calibration took (the first rows')."""
+        batch: free rows first, then new ones."""
         joining = encoding.rows
         places = [i for i, row in enumerate(self.rows) if row is None][: len(joining)]
         for place in places:
@@ -478,9 +468,7 @@ class BatchGenerator:
                 key=lambda row: row.uid,
             )
             self.draft_length = self.decoder.draft_length(
-                [row.prompt_ids for row in first],
-                first[0].sampling,
-                self.cost_batch_size or len(first),
+                [row.prompt_ids for row in first], self.cost_batch_sizes or [len(first)]
             )
             calibration_time = self.draft_length.calibration_seconds
         for place, row in zip(places, joining):
@@ -498,7 +486,6 @@ class BatchGenerator:
         for place, row in zip(places, joining):
             if row.uid in encoding.cancelled:
                 self._free(place)
-        return calibration_time
 
     def _layer_progress(self, prompts: list[list[int]]) -> Callable[[], None] | None:
         """What the encoders call after each layer, to report ``prompts``'

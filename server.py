@@ -333,6 +333,15 @@ class Job:
         return [(choice.text, choice.finish_reason) for choice in self.choices]
 
 
+def cost_batch_sizes(max_batch_size: int) -> list[int]:
+    """The numbers of rows at which "auto" measures its costs for a server,
+    whose batch grows and shrinks with its load: each power of two below
+    ``max_batch_size``, and that."""
+    return [1 << k for k in range(max_batch_size.bit_length()) if 1 << k < max_batch_size] + [
+        max_batch_size
+    ]
+
+
 class Engine:
     """The decoding thread: it alone calls MLX. Handlers ``submit`` and
     ``cancel`` jobs; the thread admits their prompts into the batch between
@@ -525,7 +534,7 @@ class Engine:
         return self.decoder.batch_generator(
             speculative=self.speculative,
             max_batch_size=self.max_batch_size,
-            cost_batch_size=self.max_batch_size,
+            cost_batch_sizes=cost_batch_sizes(self.max_batch_size),
             interleave_encoding=True,
         )
 

@@ -531,45 +531,11 @@ def auto_costs(draft_cost: float) -> dict[str, list[float]]:
     return {"model": linear_round_costs(draft_cost), "lookup": linear_round_costs(0.0)}
 
 
-class UntimedRounds(dict):
-    """``auto.Auto.round_times`` whose rounds are never timed, so
-    that "auto" keeps the costs it was given."""
-
-    def setdefault(self, key, default=None):
-        from auto import RoundTimes
-
-        times = RoundTimes()
-        times.record = lambda source, num_draft, batch_size, seconds: None
-        return super().setdefault(key, times)
-
-
-class UnjudgedDeliveries(dict):
-    """``auto.Auto.deliveries`` that record nothing and always allow
-    drafting, so that "auto" drafts as its cost model chooses."""
-
-    def setdefault(self, key, default=None):
-        from auto import Deliveries
-
-        deliveries = Deliveries()
-        deliveries.allows_drafting = lambda batch_size: True
-        deliveries.record = lambda batch_size, drafted, tokens, seconds: None
-        return super().setdefault(key, deliveries)
-
-
-def unjudged(decoder) -> None:
-    """Make ``decoder``'s "auto" draft as its cost model chooses, whatever
-    its rounds deliver (see ``UnjudgedDeliveries``)."""
-    decoder.auto.deliveries = UnjudgedDeliveries()
-
-
-def cheap_drafts(decoder, draft_cost: float = 0.1, judged: bool = False) -> None:
+def cheap_drafts(decoder, draft_cost: float = 0.1) -> None:
     """Make ``decoder``'s "auto" weigh a draft step as ``draft_cost`` main
-    steps and a verify pass over any number of tokens as one, whatever its
-    rounds take or (unless ``judged``) deliver. The tiny test draft model
-    costs as much as its main model, so timed costs would rightly make auto
-    draft little, and a test of drafting would test plain steps."""
+    steps and a verify pass over any number of tokens as one, not as
+    calibrated. The tiny test draft model costs as much as its main model,
+    so calibrated costs would rightly make auto draft little, and a test of
+    drafting would test plain steps."""
     costs = auto_costs(draft_cost)
     decoder.auto.measure_costs = lambda *args, **kwargs: costs
-    decoder.auto.round_times = UntimedRounds()
-    if not judged:
-        unjudged(decoder)

@@ -9,7 +9,7 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
-from fixtures import cheap_drafts
+from fixtures import auto_costs, cheap_drafts
 from test_sampling_distribution import (
     MAX_TOKENS,
     NUM_DRAFT,
@@ -21,7 +21,6 @@ from test_sampling_distribution import (
     exact_distribution,
 )
 
-from auto import HOPELESS_PROBE_EVERY
 from cache import DecoderCache, KVCache, compacted_rows
 from decoder import SpeculativeDecoder
 from sampling import Sampling
@@ -76,7 +75,8 @@ def decoder_for(pair, drafting: str) -> SpeculativeDecoder:
     options = dict(DRAFTING[drafting])
     draft_model = options.pop("draft_model", draft_model)
     decoder = SpeculativeDecoder(model, draft_model, tokenizer, **options)
-    cheap_drafts(decoder)
+    # g about 3 where the draft agrees: rounds of every length, lookup's too.
+    cheap_drafts(decoder, draft_cost=0.4)
     return decoder
 
 
@@ -106,10 +106,12 @@ def test_every_row_equals_its_prompt_decoded_alone(drafting, batch_size, early_e
 
 
 def test_rows_decoded_before_auto_first_drafts_equal_their_prompts_alone(early_ending_pair):
-    """auto with no hope of drafting paying steps plainly until its rare
-    probe (round HOPELESS_PROBE_EVERY): its draft model encodes the rows'
-    prompts then (``ModelDrafter``'s lazy mode), after rows joined and
-    left, and each row's draft cache catches up on its whole output."""
+    """auto steps plainly while drafting does not pay, then drafts once its
+    costs say it pays (here: made cheap after DRAFTING_FROM rounds): its
+    draft model encodes the rows' prompts then (``ModelDrafter``'s lazy
+    mode), after rows joined and left, and each row's draft cache catches
+    up on its whole output."""
+    drafting_from = 24
     decoder = decoder_for(early_ending_pair, "draft model auto")
     cheap_drafts(decoder, draft_cost=0.9)  # pays above 0.9 acceptance: the prior, 0.75, is far
     alone = [decoder.generate(prompt, max_tokens=MAX_NEW) for prompt in PROMPTS]
@@ -122,8 +124,11 @@ def test_rows_decoded_before_auto_first_drafts_equal_their_prompts_alone(early_e
             first_drafted = generator.rounds
         if first_drafted is None:
             joined_before.update(uid for uid, _ in events)
+        if generator.rounds == drafting_from:
+            for costs in generator.draft_length.round_costs.values():
+                costs["model"] = auto_costs(0.1)["model"]
     assert [results[uid].tokens for uid in uids] == [result.tokens for result in alone]
-    assert first_drafted == HOPELESS_PROBE_EVERY
+    assert first_drafted == drafting_from + 1
     assert len(joined_before) > 3  # rows joined the batch of 3 before it drafted
 
 

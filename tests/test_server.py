@@ -718,3 +718,11 @@ def test_the_default_prompt_limit_bounds_what_a_prompt_costs_others():
     assert limit * cross_attention <= args.decode_work < (limit + 1) * cross_attention
     assert limit == 2862
     assert cost_token_limit(ModelArgs(200, 32, 8, 64, 2, 2, 4)) == COST_LIMIT_FLOOR
+
+
+def test_auto_measures_a_servers_costs_at_each_power_of_two_and_its_largest_batch():
+    from server import cost_batch_sizes
+
+    assert cost_batch_sizes(1) == [1]
+    assert cost_batch_sizes(8) == [1, 2, 4, 8]
+    assert cost_batch_sizes(12) == [1, 2, 4, 8, 12]
