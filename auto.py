@@ -178,6 +178,7 @@ class AutoDraftLength:
     ):
         # Per number of rows calibrated, per source: see best_num_draft.
         self.round_costs = round_costs
+        self.calibrated_rows = sorted(round_costs)
         # Per source: draft tokens [accepted, tested], the prior's included.
         self.counts = {
             source: [PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT] for source in DRAFT_SOURCES
@@ -210,8 +211,7 @@ class AutoDraftLength:
         as many (or the most); 0: a plain step. ``start_cost``: what
         starting the draft model would cost, in plain steps per token the
         rows have left (see ``draft_start_cost``); model drafts only."""
-        calibrated = sorted(self.round_costs)
-        rows = next((n for n in calibrated if n >= batch_size), calibrated[-1])
+        rows = next((n for n in self.calibrated_rows if n >= batch_size), self.calibrated_rows[-1])
         start_cost = start_cost if source == "model" else 0.0
         return best_num_draft(self.rate(source), self.round_costs[rows][source], start_cost)
 

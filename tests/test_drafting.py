@@ -6,6 +6,7 @@ import pytest
 from fixtures import auto_costs, cheap_drafts, linear_round_costs
 
 from auto import (
+    CALIBRATION_PROMPT_TOKENS,
     MAX_AUTO_DRAFT,
     AutoDraftLength,
     best_num_draft,
@@ -210,6 +211,23 @@ def test_auto_weighs_the_costs_of_the_rounds_rows():
     # At 8 rows a draft step costs 0.9 plain steps: at 0.75, 1.75 tokens for 1.9.
     assert [length.choose("model", batch_size=n) for n in (2, 8, 16)] == [0, 0, 0]
     assert length.choose("lookup", batch_size=8) == 16
+    # The round's plan weighs its own rows (places, free ones included).
+    assert length.plan([None], [5], None)("model") == 5
+    assert length.plan([None] * 2, [5, 0], None)("model") == 0
+
+
+def test_a_batchs_acceptance_counts_every_rows_tested_draft_tokens(decoding_pair):
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft="auto")
+    cheap_drafts(decoder)
+    generator = decoder.batch_generator(max_batch_size=2)
+    uids = [generator.insert(prompt, max_tokens=MAX_TOKENS) for prompt in PROMPTS]
+    results = {}
+    while len(generator):
+        results.update(generator.next())
+    accepted = sum(results[uid].n_accepted for uid in uids)
+    tested = accepted + sum(results[uid].n_rejected for uid in uids)
+    assert tested > accepted > 0
+    assert generator.draft_length.counts["model"] == pytest.approx([3 + accepted, 4 + tested])
 
 
 def test_auto_stops_drafting_a_draft_that_does_not_pay():
@@ -359,10 +377,11 @@ def test_auto_times_the_rounds_of_each_draft_source(decoding_pair):
 
 class RecordingPasses:
     """A model that records, for every decoder pass, its number of tokens
-    and where each row of the cache ended before it."""
+    and where each row of the cache ended before it; and the number of
+    tokens of every prompt it encodes."""
 
     def __init__(self, model):
-        self.model, self.passes = model, []
+        self.model, self.passes, self.encoded = model, [], []
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -370,6 +389,21 @@ class RecordingPasses:
     def decode(self, inputs: mx.array, cache):
         self.passes.append((inputs.shape[1], cache.self_attn[0].ends))
         return self.model.decode(inputs, cache)
+
+    def encode(self, prompt_ids: mx.array) -> mx.array:
+        self.encoded.append(prompt_ids.shape[1])
+        return self.model.encode(prompt_ids)
+
+
+def test_calibration_costs_the_same_for_any_prompt(decoding_pair):
+    """auto's calibration times passes on the first CALIBRATION_PROMPT_TOKENS
+    of a prompt, however long."""
+    model, _, tokenizer = decoding_pair
+    recording = RecordingPasses(model)
+    decoder = SpeculativeDecoder(model, None, tokenizer, num_draft="auto", prompt_lookup=2)
+    long_prompt = tokenizer(PROMPTS[0]).input_ids * 20
+    decoder.auto.measure_costs(recording, None, 2, long_prompt)
+    assert recording.encoded == [CALIBRATION_PROMPT_TOKENS] < [len(long_prompt)]
 
 
 def test_calibration_times_drafted_passes_on_rows_that_end_apart(decoding_pair):
