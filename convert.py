@@ -33,7 +33,7 @@ from mlx import nn
 
 from cli import ArgumentParser
 from layout import WEIGHTS_FILE, default_output, is_converted, read_config, written_by_convert
-from loading import format_bytes, python_command, quiet_transformers
+from loading import format_bytes, quiet_transformers, script_command
 from model import T5, ModelArgs, quantizable_layers, stacked_projections
 
 if TYPE_CHECKING:  # torch is needed only to read .bin weights
@@ -492,7 +492,7 @@ def convert(
     if is_converted(Path(model)):
         raise ValueError(
             f"{model} is already converted; use it as it is: "
-            f"{python_command()} main.py --model-name {model}"
+            f"{script_command('main.py')} --model-name {model}"
         )
     check_output(out, model, force)
     checkpoint = fetch_checkpoint(model)
@@ -607,9 +607,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: nothing written", file=sys.stderr)
         return 130
     print(f"Saved to {out}")
-    python = python_command()
-    print(f"Use it as the main model: {python} main.py --model-name {out}")
-    print(f"or as the draft model:    {python} main.py --draft-model-name {out}")
+    main_py = script_command("main.py")
+    print(f"Use it as the main model: {main_py} --model-name {out}")
+    print(f"or as the draft model:    {main_py} --draft-model-name {out}")
     return 0
 
 

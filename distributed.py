@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -119,17 +120,32 @@ def silence_other_ranks(group: mx.distributed.Group | None) -> None:
 GROUP_BROKEN = "another process of the group ended or failed (see its error); this one stops too"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached a rank: ``mlx.launch`` sends it to every rank once
+    one has ended with an error (or a user did). A ``KeyboardInterrupt``,
+    so that what Ctrl-C stops (a summary of what finished) SIGTERM stops
+    alike."""
+
+
+def raise_terminated(signum: int, frame) -> None:
+    raise Terminated(
+        "stopped by SIGTERM (sent by a user, or by mlx.launch once another process of the "
+        "group has ended)"
+    )
+
+
 @contextlib.contextmanager
 def failures_end_group(group: mx.distributed.Group | None) -> Iterator[None]:
-    """In a group, end this process at once when what runs inside fails:
-    one line on the standard error it started with (``error: ...``, the
-    rank named where it is not 0), exit status 1. The other ranks then find
-    the connection to it closed at their next sum, and end alike
-    (``GROUP_BROKEN``), instead of waiting forever for it. Outside a group,
-    nothing."""
+    """In a group, end this process at once when what runs inside fails or
+    SIGTERM stops it (``Terminated``): one line on the standard error it
+    started with (``error: ...``, the rank named where it is not 0), exit
+    status 1. The other ranks then find the connection to it closed at
+    their next sum, and end alike (``GROUP_BROKEN``), instead of waiting
+    forever for it. Outside a group, nothing."""
     if group is None:
         yield
         return
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         yield
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - any failure ends the group

@@ -10,7 +10,8 @@ from pathlib import Path
 # Where convert.py writes models by default, relative to the directory it
 # runs in; models are looked up there, then in this repository's.
 MODELS_DIRECTORY = "mlx_models"
-REPOSITORY_MODELS = Path(__file__).resolve().parent / MODELS_DIRECTORY
+REPOSITORY = Path(__file__).resolve().parent
+REPOSITORY_MODELS = REPOSITORY / MODELS_DIRECTORY
 
 # The weights convert.py writes (safetensors, which MLX reads itself), and
 # those of conversions by earlier versions (see model.weights_file).

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from layout import (
     MODELS_DIRECTORY,
+    REPOSITORY,
     REPOSITORY_MODELS,
     WEIGHTS_FILE,
     conversions_of,
@@ -49,15 +50,21 @@ def names_a_path(name: str) -> bool:
     )
 
 
-def python_command() -> str:
-    """How to run this Python in advice a user copies: its path relative to
-    the current directory when it lies below it (``.venv/bin/python`` after
-    the README's quick start), else the absolute path."""
-    executable = Path(sys.executable)
+def from_here(path: Path) -> str:
+    """``path`` as a user types it in the current directory: relative where
+    it lies below it, else absolute."""
     try:
-        return str(executable.relative_to(Path.cwd()))
+        return str(path.relative_to(Path.cwd()))
     except ValueError:
-        return str(executable)
+        return str(path)
+
+
+def script_command(script: str) -> str:
+    """How to run this repository's ``script`` (``convert.py``, ``main.py``)
+    in advice a user copies, from the current directory: this Python, then
+    the script (``.venv/bin/python convert.py`` in the checkout after the
+    README's quick start; absolute paths elsewhere)."""
+    return f"{from_here(Path(sys.executable))} {from_here(REPOSITORY / script)}"
 
 
 def resolve_model(name: str | Path) -> Path:
@@ -81,13 +88,13 @@ def resolve_model(name: str | Path) -> Path:
             )
         if names_a_path(name):
             raise FileNotFoundError(f"model {name!r} not found: no such directory")
-        looked = " nor at ".join(
-            str(directory / stored)
-            for directory in (Path.cwd() / MODELS_DIRECTORY, REPOSITORY_MODELS)
-        )
+        places = [Path.cwd() / MODELS_DIRECTORY / stored, REPOSITORY_MODELS / stored]
+        if places[0].resolve() == places[1].resolve():  # run from the checkout
+            places = places[:1]
         raise FileNotFoundError(
-            f"model {name!r} is not converted: no converted model at {looked}; "
-            f"for a Hugging Face hub id, run: {python_command()} convert.py --model {name}"
+            f"model {name!r} is not converted: no converted model at "
+            f"{' nor at '.join(map(str, places))}; for a Hugging Face hub id, run: "
+            f"{script_command('convert.py')} --model {name}"
         )
     conversions = conversions_of(Path(name))
     if len(conversions) == 1:
@@ -103,7 +110,7 @@ def resolve_model(name: str | Path) -> Path:
         )
     out = free_output(Path(name))
     raise FileNotFoundError(
-        f"{name} is a Hugging Face checkpoint, not converted yet; run: {python_command()} convert.py "
+        f"{name} is a Hugging Face checkpoint, not converted yet; run: {script_command('convert.py')} "
         f"--model {shlex.quote(name)} --out {shlex.quote(str(out))}, then give {out} in its place"
     )
 
@@ -302,7 +309,7 @@ def check_memory(
         message += f"; with 4-bit weights the main model needs {format_bytes(four_bit)}"
         if needed - weights[0] + four_bit <= available:
             source = "<its checkpoint>" if Path(model_name).is_dir() else model_name
-            message += f", which fits: {python_command()} convert.py --model {source} -q"
+            message += f", which fits: {script_command('convert.py')} --model {source} -q"
         else:
             message += ", still too much"
     elif len(paths) > 1 and weights[0] + runtime[0] <= available:

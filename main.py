@@ -387,8 +387,13 @@ def generate(args: argparse.Namespace, group) -> int:
     tokenizer = load_tokenizer(paths[0])
     longest = max(map(len, tokenizer(prompts).input_ids))
     batch_size = min(args.batch_size, len(prompts)) if args.prompts is not None else 1
-    spread = group if args.data_parallel else None  # each process decodes some prompts
-    split = None if spread else group  # the main model split across the processes
+    if args.data_parallel and group is None:
+        print(
+            "note: --data-parallel: this process was not started in a group (mlx.launch), "
+            "so it decodes every prompt itself",
+            file=sys.stderr,
+        )
+    split = None if args.data_parallel else group  # the main model split across the processes
     shards = split.size() if split else 1
     check_memory(args.model_name, paths, longest, args.max_tokens, batch_size, shards)
     for path, role in zip(paths, ("", "draft ")):
@@ -409,8 +414,8 @@ def generate(args: argparse.Namespace, group) -> int:
         elif any(model.dtype != mx.float32 for model in models):
             print(CPU_HALF_NOTE, file=sys.stderr)
     if args.prompts is None:
-        return generate_one(args, decoder, prompts[0])
-    return generate_all(args, decoder, prompts, spread)
+        return generate_one(args, decoder, prompts[0], group)
+    return generate_all(args, decoder, prompts, group)
 
 
 def draft_model_name(args: argparse.Namespace) -> str | None:
@@ -484,15 +489,16 @@ class PromptProgress:
             self.bar = None
 
 
-def generate_one(args: argparse.Namespace, decoder, prompt: str) -> int:
+def generate_one(args: argparse.Namespace, decoder, prompt: str, group=None) -> int:
     """Stream the text for ``prompt`` to standard output, then the summary to
-    standard error; the exit status (130: interrupted)."""
+    standard error; the exit status (130: interrupted). ``group``: the
+    processes the main model is split across, or None."""
     # Colour codes only for a terminal: redirected output stays plain text.
     show_draft = args.show_draft and sys.stdout.isatty()
 
     printed, num_printed = "", 0
     result = None
-    interrupted = False
+    stopped = None
     progress = PromptProgress("processing the prompt")
     try:
         # While generating, Ctrl-C stops it: the text so far and its summary are kept.
@@ -502,17 +508,38 @@ def generate_one(args: argparse.Namespace, decoder, prompt: str) -> int:
                 text = new_text(result, decoder.tokenizer, printed, num_printed, show_draft)
                 print(text, end="", flush=True)
                 printed, num_printed = result.text, len(result.tokens)
-    except KeyboardInterrupt:
-        interrupted = True
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - see stopping
+        stopped = stopping(error, group)
     finally:
         progress.close()
         signal.signal(signal.SIGINT, stop_at_once)
-    print()
-    if interrupted:
-        print("interrupted", file=sys.stderr)
+    if printed or stopped is None:
+        print()
     if result is not None:
         print_summary(result, decoder.drafting, args.num_draft, sampled=args.temp > 0)
-    return 130 if interrupted else 0
+    return exit_status(stopped)
+
+
+def stopping(error: BaseException, group) -> BaseException:
+    """``error``, which stopped generation, if the run still writes its
+    summary: Ctrl-C, or in a ``group`` (None: alone) SIGTERM or any failure
+    (another rank's, found at a sum); else raised again at once."""
+    if isinstance(error, KeyboardInterrupt) or group is not None:
+        return error
+    raise error
+
+
+def exit_status(stopped: BaseException | None) -> int:
+    """The exit status of a run that ``stopped`` ended early (None: it did
+    not), once its summary is written: 130 after Ctrl-C; in a group,
+    ``stopped`` raised again, for ``distributed.failures_end_group`` to end
+    the process with its one line."""
+    if stopped is None:
+        return 0
+    if type(stopped) is not KeyboardInterrupt:
+        raise stopped
+    print("interrupted", file=sys.stderr)
+    return 130
 
 
 def open_output(path: str | None):
@@ -527,19 +554,19 @@ def open_output(path: str | None):
         raise
 
 
-def generate_all(args: argparse.Namespace, decoder, prompts: list[str], spread=None) -> int:
+def generate_all(args: argparse.Namespace, decoder, prompts: list[str], group=None) -> int:
     """Decode ``prompts`` in batches: each finished text to standard output
     (one line each, in input order) or to the --output file (JSON Lines, as
     they finish), a progress bar on standard error if it is a terminal, then
-    the summary; the exit status (130: interrupted). ``spread``: the group of
-    processes that share the prompts (``distributed.data_parallel_stream``),
-    or None."""
+    the summary; the exit status (130: interrupted). ``group``: the
+    processes the main model is split across or, with --data-parallel, that
+    share the prompts (``distributed.data_parallel_stream``); None alone."""
     from tqdm import tqdm
 
     from distributed import data_parallel_stream
 
     results = {}
-    interrupted = False
+    stopped = None
     with open_output(args.output) as file:
         sink = InOrderLines(file) if args.output is None else JsonLines(file)
         if args.num_draft == "auto" and decoder.drafting != "none":
@@ -555,10 +582,10 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str], spread=N
             signal.signal(signal.SIGINT, signal.default_int_handler)
             options = {"batch_size": args.batch_size, "prompt_progress": progress}
             options.update(sampling_options(args))
-            if spread is None:
-                events = decoder.stream_batch(prompts, **options)
+            if args.data_parallel and group is not None:
+                events = data_parallel_stream(decoder, prompts, group, **options)
             else:
-                events = data_parallel_stream(decoder, prompts, spread, **options)
+                events = decoder.stream_batch(prompts, **options)
             for index, result in events:
                 results[index] = result
                 if result.finished:
@@ -566,15 +593,13 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str], spread=N
                     with tqdm.external_write_mode(file=file):
                         sink.add(index, result)
                     bar.update()
-        except KeyboardInterrupt:
-            interrupted = True
+        except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - see stopping
+            stopped = stopping(error, group)
         finally:
             signal.signal(signal.SIGINT, stop_at_once)
             progress.close()
             bar.close()
     wall_time = time.perf_counter() - start
-    if interrupted:
-        print("interrupted", file=sys.stderr)
     if sink.waiting:
         held = len(sink.waiting)
         print(
@@ -585,7 +610,7 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str], spread=N
         )
     seed = args.seed if args.temp > 0 else None
     print_batch_summary(results, len(prompts), wall_time, decoder.drafting, args.num_draft, seed)
-    return 130 if interrupted else 0
+    return exit_status(stopped)
 
 
 def main(argv: list[str] | None = None) -> int:

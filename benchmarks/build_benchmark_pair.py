@@ -1,12 +1,15 @@
 """Build a main/draft T5 pair for benchmarking speculative decoding without downloads.
 
     python benchmarks/build_benchmark_pair.py --out benchmark_models [--train-steps N] [--seed S]
+    python benchmarks/build_benchmark_pair.py --out benchmark_models --draft TRAINED/hf-draft
     python benchmarks/build_benchmark_pair.py --out benchmark_models --random-t5-shapes
     python benchmarks/build_benchmark_pair.py --out benchmark_models --write-prompts N
 
-The second form, run after the first, writes random-weight checkpoints of the real T5-base
-and T5-small shapes: for timing regular decoding against transformers, where only the
-shapes matter. The third, also run after the first, writes ``prompts-N.txt``: N prompts of
+The second form grows the main model from a draft trained by an earlier build (its
+``hf-draft``, such as the project's shared one) instead of training one: the build then
+takes a few minutes. The third form, run after the first, writes random-weight checkpoints
+of the real T5-base and T5-small shapes: for timing regular decoding against transformers,
+where only the shapes matter. The fourth, also run after the first, writes ``prompts-N.txt``: N prompts of
 the pair's own training style (``write_prompts``), for the batch benchmark.
 
 Real checkpoints (T5-XXL drafted by T5-small) cannot be downloaded here, and random-init T5
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import filecmp
 import functools
 import hashlib
 import json
@@ -853,6 +857,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="train the draft even if OUT/hf-draft holds one trained with the same settings",
     )
     parser.add_argument(
+        "--draft",
+        type=Path,
+        metavar="DIR",
+        help="grow the main model from this trained draft instead of training one (about 20 "
+        "minutes saved): an earlier build's hf-draft folder, such as the project's shared one, "
+        "trained with this run's --seed, --train-steps and --batch-size; copied into "
+        "OUT/hf-draft",
+    )
+    parser.add_argument(
         "--random-t5-shapes",
         action="store_true",
         help="instead of the pair, build random-weight T5-base and T5-small shaped checkpoints "
@@ -870,7 +883,39 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--train-steps and --batch-size must be >= 1")
     if args.write_prompts is not None and args.write_prompts < 1:
         parser.error("--write-prompts must be >= 1")
+    if args.draft is not None and (args.retrain or args.random_t5_shapes or args.write_prompts):
+        parser.error(
+            "--draft builds the pair from a trained draft: it goes with none of "
+            "--retrain, --random-t5-shapes and --write-prompts"
+        )
     return args
+
+
+def adopt_draft(source: Path, target: Path, settings: dict) -> None:
+    """Put the trained draft at ``source`` (an earlier build's hf-draft) at
+    ``target``, where this build reuses it: ``ValueError`` unless it was
+    trained with ``settings``, or if ``target`` holds another draft (left
+    as it is)."""
+    record = source / TRAINING_RECORD
+    if not record.is_file():
+        raise ValueError(
+            f"--draft {source}: no {TRAINING_RECORD} there; give the hf-draft folder of a build"
+        )
+    trained = json.loads(record.read_text())["settings"]
+    differing = [name for name in settings if trained.get(name) != settings[name]]
+    if differing:
+        raise ValueError(
+            f"--draft {source} was trained with other settings ({', '.join(differing)}: "
+            + ", ".join(f"{name} {trained.get(name)}" for name in differing)
+            + "); give those to this build, or train a draft (no --draft)"
+        )
+    if target.exists():
+        names = sorted(path.name for path in source.iterdir())
+        same, _, _ = filecmp.cmpfiles(source, target, names, shallow=False)
+        if len(same) == len(names):
+            return
+        raise ValueError(f"{target} already holds another draft; give --out a new directory")
+    shutil.copytree(source, target)
 
 
 def long_prompts(
@@ -983,6 +1028,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "warmup_steps": WARMUP_STEPS,
         "corpus_sha256": hashlib.sha256("\n".join(paragraphs).encode()).hexdigest(),
     }
+    if args.draft is not None:
+        try:
+            adopt_draft(args.draft, paths["hf-draft"], settings)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
     record = paths["hf-draft"] / TRAINING_RECORD
     reused = False
     if (

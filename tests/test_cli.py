@@ -31,7 +31,7 @@ import main as main_module
 from auto import Auto
 from cli import TF32_VARIABLE
 from decoder import GenerationResult, SpeculativeDecoder
-from loading import load_tokenizer, python_command
+from loading import load_tokenizer, script_command
 from model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -673,10 +673,24 @@ def test_unconverted_model_names_the_convert_command(role, models, tmp_path):
     names[role] = "no-such-org/no-such-t5"
     result = run_main(*[x for pair in names.items() for x in pair], "-m", "3", cwd=tmp_path)
     message = assert_one_line_error(result)
-    assert f"{sys.executable} convert.py --model no-such-org/no-such-t5" in message
-    # Where it looked: the name itself and mlx_models/ of the current directory.
-    assert str(tmp_path / "mlx_models" / "no-such-org-no-such-t5") in message
+    # From another directory, the hint names convert.py where it is.
+    assert f"{sys.executable} {ROOT / 'convert.py'} --model no-such-org/no-such-t5" in message
+    # Where it looked: mlx_models/ of the current directory and of the repository, each once.
+    for directory in (tmp_path, ROOT):
+        place = str(directory / "mlx_models" / "no-such-org-no-such-t5")
+        assert message.count(place) == 1
     assert "Loading" not in result.stderr
+
+
+def test_unconverted_model_from_the_checkout_names_each_place_once(models):
+    result = run_main(
+        "--model-name", "no-such-t5", "--draft-model-name", str(models[1]), "-m", "3", cwd=ROOT
+    )
+    message = assert_one_line_error(result)
+    assert message.count("mlx_models/no-such-t5") == 1
+    assert " nor at " not in message
+    assert "convert.py --model no-such-t5" in message
+    assert (ROOT / message.split("run: ")[1].split()[1]).is_file()
 
 
 @pytest.mark.parametrize(
@@ -811,7 +825,7 @@ def needed_bytes(models) -> int:
     ("short_by", "advice"),
     [
         # Just too little: 4-bit weights for the main model would fit.
-        (1, "which fits: {python} convert.py --model"),
+        (1, "which fits: {convert} --model"),
         # Far too little: not even 4-bit weights fit.
         (0.99, "still too much"),
     ],
@@ -827,7 +841,7 @@ def test_models_that_do_not_fit_are_refused_before_loading(
     captured = capsys.readouterr()
     assert captured.out == ""
     (line,) = captured.err.splitlines()
-    advice = advice.format(python=python_command())
+    advice = advice.format(convert=script_command("convert.py"))
     assert line.startswith("error: ") and "more than the" in line and advice in line
 
 

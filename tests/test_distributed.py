@@ -327,6 +327,91 @@ def test_killed_rank_ends_the_group(converted_pair, tmp_path):
     assert_error_ends(first, distributed.GROUP_BROKEN)
 
 
+def launcher_ports() -> int:
+    """A port of 127.0.0.1 whose next one is free too, for ``mlx.launch
+    --starting-port`` (rank r listens on port + r)."""
+    for _ in range(20):
+        port = free_ports(1)[0]
+        with socket.socket() as first, socket.socket() as second:
+            try:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two free ports in a row")
+
+
+def rank_process(launcher: subprocess.Popen, rank: int) -> int:
+    """The process id of ``rank`` among ``launcher``'s children (it sets
+    ``MLX_RANK`` and then runs the command in place of its shell)."""
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            parent = re.search(r"PPid:\s+(\d+)", status.read_text())
+            environment = (status.parent / "environ").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile, or another user's
+            continue
+        if parent and int(parent[1]) == launcher.pid and f"MLX_RANK={rank}".encode() in environment:
+            return int(status.parent.name)
+    raise AssertionError(f"mlx.launch has no rank {rank}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks through /proc")
+def test_rank_terminated_under_mlx_launch(converted_pair, tmp_path):
+    """Under the real ``mlx.launch``: rank 1 gets SIGTERM mid-run. It says
+    so in its own line; the launcher then sends rank 0 SIGTERM, and rank 0
+    writes its summary of what finished and its own ``error:`` line."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS * 40) + "\n")
+    command = main_args(converted_pair, "--prompts", str(prompts), "-m", "200", "--batch-size", "1")
+    launcher = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("mlx.launch")),
+            *("-n", "2", "--backend", "ring", "--starting-port", str(launcher_ports())),
+            *("--python", sys.executable, *command),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        selector = selectors.DefaultSelector()
+        selector.register(launcher.stdout, selectors.EVENT_READ)
+        assert selector.select(timeout=GROUP_SECONDS), "rank 0 wrote no line"
+        os.kill(rank_process(launcher, 1), signal.SIGTERM)
+        stdout, stderr = launcher.communicate(timeout=FAILURE_SECONDS * 3)
+    finally:
+        stop([launcher])
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, stderr
+    assert any(line.startswith("error: rank 1 of 2: stopped by SIGTERM") for line in errors)
+    assert any(not line.startswith("error: rank") for line in errors), stderr
+    assert re.search(r"Prompts: \d+ of 200 finished", stderr), stderr
+    assert stdout.strip(), "rank 0's finished lines"
+
+
+def test_data_parallel_alone_says_so(converted_pair, tmp_path):
+    """--data-parallel in a process started alone: a note, then every prompt decoded."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:2]) + "\n")
+    result = subprocess.run(
+        [sys.executable, *main_args(converted_pair, "--prompts", str(prompts), "--data-parallel")],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=GROUP_SECONDS,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "note: --data-parallel: this process was not started in a group" in result.stderr
+    assert len(result.stdout.splitlines()) == 2
+
+
 def test_indivisible_model_refused():
     """Heads or a feed-forward width that do not divide among the ranks, or
     quantized groups that would be cut: a one-line reason."""
