@@ -306,3 +306,31 @@ def test_build_writes_more_prompts_of_the_pairs_style(tokenizer_dir, tmp_path):
     # A pair built with another seed has other prompts.txt: refused, not silently mixed.
     with pytest.raises(SystemExit, match="another --seed"):
         write_prompts(tmp_path, 1, 12)
+
+
+def test_the_pair_grows_from_a_draft_given_with_its_settings(tmp_path):
+    """``build_benchmark_pair.py --draft DIR``: a draft trained with the
+    build's settings is copied into OUT/hf-draft (and taken again as it is
+    there); one trained otherwise, one without its record, or another draft
+    already in OUT are refused, and nothing is written over."""
+    from build_benchmark_pair import TRAINING_RECORD, adopt_draft
+
+    settings = {"seed": 0, "train_steps": 3000}
+    source = tmp_path / "trained"
+    source.mkdir()
+    (source / "model.safetensors").write_bytes(b"weights")
+    (source / TRAINING_RECORD).write_text(json.dumps({"settings": settings}))
+    target = tmp_path / "out" / "hf-draft"
+    target.parent.mkdir()
+    adopt_draft(source, target, settings)
+    assert (target / "model.safetensors").read_bytes() == b"weights"
+    adopt_draft(source, target, settings)  # already there: taken as it is
+    with pytest.raises(ValueError, match=r"other settings \(seed: seed 0\)"):
+        adopt_draft(source, tmp_path / "elsewhere", {**settings, "seed": 1})
+    with pytest.raises(ValueError, match=f"no {TRAINING_RECORD}"):
+        adopt_draft(tmp_path / "out", tmp_path / "elsewhere", settings)
+    (target / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(ValueError, match="already holds another draft"):
+        adopt_draft(source, target, settings)
+    assert (target / "model.safetensors").read_bytes() == b"other weights"
+    assert not (tmp_path / "elsewhere").exists()
