@@ -14,22 +14,25 @@ there, with what it was measured to add.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-# First: the fast BLAS on Linux must load before mlx (see model.py).
+# First: the fast BLAS on Linux must load before mlx (see cpu/__init__.py).
 import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from cache import DecoderCache
-from drafting import Drafter, ModelDrafter
+from drafting import DRAFT_SOURCES, Drafter, ModelDrafter, RowState
 from model import T5, ModelArgs
 from sampling import RowSampling, Sampling
+
+if TYPE_CHECKING:
+    from speculative import RoundOutcome
 
 # The most draft tokens "auto" proposes per round.
 MAX_AUTO_DRAFT = 16
@@ -37,7 +40,6 @@ MAX_AUTO_DRAFT = 16
 # rate, weighted as this many tested tokens.
 PRIOR_ACCEPTANCE = 0.75
 PRIOR_WEIGHT = 4
-DRAFT_SOURCES = ("model", "lookup")
 # The calibration times passes over at most this many tokens of the first
 # prompt, so that its cost does not grow with the prompt: a pass's cost
 # over that of a plain step changes little with the keys it attends to.
@@ -89,9 +91,7 @@ def pass_times(
     def pass_inputs(length: int) -> mx.array:
         if drafter is None or length == 1:
             return mx.repeat(start, length, axis=1)
-        draft = drafter.propose(
-            sequences, greedy, lambda source: length - 1, [length - 1] * batch_size
-        )
+        draft = drafter.propose(sequences, greedy, {"model": length - 1}, [length - 1] * batch_size)
         return mx.concatenate([start, draft.tokens], axis=1)
 
     times = [[] for _ in lengths]
@@ -154,7 +154,7 @@ def draft_start_cost(
     Drafting must beat a plain step by that much to pay for it: where a
     drafted round's tokens are worth about what it costs (many rows), the
     draft model's encoding, and a catch-up pass for a start late in a
-    batch, decide whether drafting pays (docs/benchmarks.md, 2026-11-26)."""
+    batch, decide whether drafting pays (docs/benchmark-log.md, 2026-11-26)."""
     return start_seconds / tokens_left / (plain_seconds / rows)
 
 
@@ -186,23 +186,26 @@ class AutoDraftLength:
         self.start = start  # what starting a lazy draft model costs; None: nothing to start
         self.calibration_seconds = calibration_seconds
 
-    def plan(self, rows: list, limits: list[int], drafter: Drafter) -> Callable[[str], int]:
-        """The draft length of the next round over ``rows`` (the scheduler's,
-        ``row.result`` None for a free place) for each source."""
+    def plan(self, rows: list[RowState], limits: list[int], drafter: Drafter) -> dict[str, int]:
+        """The draft length of the next round over ``rows`` for each source
+        (0 for a source not calibrated: the decoder has none of it)."""
         start_cost = 0.0
         if self.start is not None and drafter.start_pending:
             start_cost = self.start.cost(rows, limits)
-        return functools.partial(self.choose, batch_size=len(rows), start_cost=start_cost)
+        calibrated = self.round_costs[self.calibrated_rows[0]]
+        return {
+            source: self.choose(source, len(rows), start_cost) if source in calibrated else 0
+            for source in DRAFT_SOURCES
+        }
 
-    def observe(self, rows: list, outcome) -> None:
-        """What a round over ``rows`` gave (``outcome``, a
-        ``decoder.RoundOutcome``): the draft tokens each row had tested and
-        accepted."""
+    def observe(self, rows: list[RowState], outcome: RoundOutcome) -> None:
+        """What a round over ``rows`` gave: the draft tokens each live row
+        had tested and accepted."""
         draft = outcome.draft
         for row, length, source, accepted, rejected in zip(
             rows, draft.lengths, draft.sources, outcome.accepted, outcome.rejected
         ):
-            if row.result is not None and length > 0:
+            if row.live and length > 0:
                 self.update(source, accepted, accepted + int(rejected))
 
     def choose(self, source: str, batch_size: int = 1, start_cost: float = 0.0) -> int:
@@ -239,7 +242,7 @@ class DraftStart:
     draft_args: ModelArgs
     plain_step_seconds: dict[int, float]  # calibrated, per number of rows
 
-    def cost(self, rows: list, limits: list[int]) -> float:
+    def cost(self, rows: list[RowState], limits: list[int]) -> float:
         """The start's cost over the tokens ``rows`` have left, in plain steps
         over the fewest rows at least as many as the batch's that a plain
         step was calibrated over; 0 with none."""
@@ -247,76 +250,66 @@ class DraftStart:
         if not known:
             return 0.0
         plain = self.plain_step_seconds[min(known)]
-        live = [row for row in rows if row.result is not None]
-        prompt_tokens = sum(row.result.prompt_tokens for row in live)
-        prompt_seconds = sum(row.result.prompt_time for row in live)
+        live = [row for row in rows if row.live]
+        prompt_tokens = sum(row.prompt_tokens for row in live)
+        prompt_seconds = sum(row.prompt_seconds for row in live)
         seconds_per_work = prompt_seconds / (self.main_args.prompt_work * prompt_tokens)
         # The catch-up pass is padded to the longest row's tokens.
-        catch_up = len(live) * max(len(row.sequence) for row in live)
+        catch_up = len(live) * max(row.tokens for row in live)
         work = self.draft_args.prompt_work * prompt_tokens + self.draft_args.decode_work * catch_up
         tokens_left = sum(limit + 1 for limit in limits if limit > 0)
         return draft_start_cost(seconds_per_work * work, tokens_left, plain, len(live))
 
 
 class Auto:
-    """What "auto" calibrated for a decoder, kept from batch to batch, and
-    the rule it gives each batch (``for_batch``)."""
+    """What "auto" calibrated for ``model`` drafted by ``draft_model`` (or
+    None) and lookup of n-grams up to ``prompt_lookup`` tokens (0: none),
+    kept from batch to batch, and the rule it gives each batch
+    (``for_batch``)."""
 
-    def __init__(self):
-        self.costs = {}  # round costs per source, draft model and batch size: see measure_costs
+    def __init__(self, model: T5, draft_model: T5 | None, prompt_lookup: int):
+        self.model, self.draft_model = model, draft_model
+        self.sources = ["model"] if draft_model is not None else []
+        self.sources += ["lookup"] if prompt_lookup else []
+        self.costs = {}  # round costs per source and batch size: see measure_costs
         # Per batch size, the seconds of a plain step measure_costs timed.
         self.plain_step_seconds: dict[int, float] = {}
 
-    def for_batch(
-        self,
-        model: T5,
-        draft_model: T5 | None,
-        prompt_lookup: int,
-        prompt_ids: Sequence[int],
-        batch_sizes: Sequence[int],
-    ) -> AutoDraftLength:
-        """The rule for a batch of ``model``'s drafted by ``draft_model`` (or
-        None) and lookup of n-grams up to ``prompt_lookup`` tokens (0: none),
-        whose first prompt is ``prompt_ids``, its costs measured at each of
-        ``batch_sizes`` rows (now, if not yet)."""
+    def for_batch(self, prompt_ids: Sequence[int], batch_sizes: Sequence[int]) -> AutoDraftLength:
+        """The rule for a batch whose first prompt is ``prompt_ids``, its
+        costs measured at each of ``batch_sizes`` rows (now, if not yet)."""
         tic = time.perf_counter()
-        drafting = model, draft_model, prompt_lookup, prompt_ids
-        costs = {rows: self.measure_costs(*drafting, rows) for rows in batch_sizes}
+        costs = {rows: self.measure_costs(prompt_ids, rows) for rows in batch_sizes}
         start = None
-        if draft_model is not None:
-            start = DraftStart(model.args, draft_model.args, self.plain_step_seconds)
+        if self.draft_model is not None:
+            start = DraftStart(self.model.args, self.draft_model.args, self.plain_step_seconds)
         return AutoDraftLength(costs, start, time.perf_counter() - tic)
 
     def measure_costs(
-        self,
-        model: T5,
-        draft_model: T5 | None,
-        prompt_lookup: int,
-        prompt_ids: Sequence[int],
-        batch_size: int = 1,
+        self, prompt_ids: Sequence[int], batch_size: int = 1
     ) -> dict[str, list[float]]:
         """What "auto" weighs at ``batch_size`` rows, for each draft source
-        (``draft_model``, lookup): the time of a round drafting g = 0 ..
+        (the draft model, lookup): the time of a round drafting g = 0 ..
         MAX_AUTO_DRAFT tokens per row and verifying them, over that of a
-        plain step of ``model``, timed on the first
-        ``CALIBRATION_PROMPT_TOKENS`` of ``prompt_ids`` once per draft model
-        and batch size. A model's draft tokens are timed in the
-        round, between main passes, because drafting there costs more than
-        drafting alone (see docs/how-it-works.md). Looking up draft tokens
-        costs next to nothing, so a lookup round costs its verify pass."""
+        plain step of the main model, timed on the first
+        ``CALIBRATION_PROMPT_TOKENS`` of ``prompt_ids`` once per batch size.
+        A model's draft tokens are timed in the round, between main passes,
+        because drafting there costs more than drafting alone (see
+        docs/how-it-works.md). Looking up draft tokens costs next to
+        nothing, so a lookup round costs its verify pass."""
         prompt_ids = list(prompt_ids)[:CALIBRATION_PROMPT_TOKENS]
-        sources = ["model"] if draft_model is not None else []
-        sources += ["lookup"] if prompt_lookup else []
         costs, encoder_output = {}, None
-        for source in sources:
-            key = source, id(draft_model) if source == "model" else None, batch_size
+        for source in self.sources:
+            key = source, batch_size
             if key not in self.costs:
                 drafter = None
                 if source == "model":
-                    drafter = ModelDrafter(draft_model, [prompt_ids] * batch_size)
+                    drafter = ModelDrafter(self.draft_model, [prompt_ids] * batch_size)
                 if encoder_output is None:  # once for both sources of hybrid drafting
-                    encoder_output = model.encode(mx.array([prompt_ids]))
-                times = pass_times(model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size, drafter)
+                    encoder_output = self.model.encode(mx.array([prompt_ids]))
+                times = pass_times(
+                    self.model, encoder_output, MAX_AUTO_DRAFT + 1, batch_size, drafter
+                )
                 self.costs[key] = [t / times[0] for t in times]
                 self.plain_step_seconds[batch_size] = times[0]
             costs[source] = self.costs[key]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-import cpu  # noqa: F401  # isort: skip  (first: see model.py)
+import cpu  # noqa: F401  # isort: skip  (first: see cpu/__init__.py)
 import mlx.core as mx
 
 
@@ -17,7 +17,7 @@ def keep_buffer_rows(buffer: mx.array, rows: list[int]) -> mx.array:
     ``compacted_rows``, only the rows moving into dropped places are copied,
     into ``buffer`` itself; otherwise all are gathered into a new buffer.
     In place, because gathering a batch's caches into new memory costs
-    first touches of fresh pages (docs/benchmarks.md, 2026-11-28)."""
+    first touches of fresh pages (docs/benchmark-log.md, 2026-11-28)."""
     moved = [i for i, row in enumerate(rows) if row != i]
     if any(rows[i] < len(rows) for i in moved):
         return buffer[mx.array(rows)]
@@ -66,7 +66,7 @@ class KVCache:
     """
 
     # Small, because a batch's first pass fills all its storage with zeros,
-    # touching fresh pages (docs/benchmarks.md, 2026-11-25).
+    # touching fresh pages (docs/benchmark-log.md, 2026-11-25).
     step = 64
 
     def __init__(self, batch_size: int = 1):
@@ -249,7 +249,7 @@ class DecoderCache:
             for buffer, new_array in zip(batch_kv, new_kv):
                 buffer = pad_to(pad_to(buffer, width, 2), batch_size, 0)
                 # A slice per row: written in place, cheaper than a scatter by
-                # row index (docs/benchmarks.md, 2026-11-28).
+                # row index (docs/benchmark-log.md, 2026-11-28).
                 for i, row in enumerate(rows):
                     buffer[row : row + 1] = pad_to(new_array[i : i + 1], width, 2)
                 arrays.append(buffer)
@@ -292,7 +292,7 @@ def joined_caches(caches: list[DecoderCache], rows: list[int]) -> DecoderCache:
     their rows taken in turn. Each layer's keys and values are copied once,
     and the parts freed layer by layer, so that memory grows by one layer's;
     admitting the caches one by one would copy every layer at each
-    (docs/benchmarks.md, 2026-11-28)."""
+    (docs/benchmark-log.md, 2026-11-28)."""
     width = max(cache.cross_buffers[0][0].shape[2] for cache in caches)
     index = None if rows == sorted(rows) else mx.array(rows)
     cross = []

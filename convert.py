@@ -31,10 +31,10 @@ import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 from mlx import nn
 
-from cli import ArgumentParser
+from cli import ArgumentParser, format_bytes, quiet_transformers, script_command
 from layout import WEIGHTS_FILE, default_output, is_converted, read_config, written_by_convert
-from loading import format_bytes, quiet_transformers, script_command
-from model import T5, ModelArgs, quantizable_layers, stacked_projections
+from loading import stacked_projections
+from model import T5, ModelArgs, quantizable_layers
 
 if TYPE_CHECKING:  # torch is needed only to read .bin weights
     import torch

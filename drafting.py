@@ -10,26 +10,34 @@ so that it is accepted exactly when the two agree. ``sampling.verify``
 judges every draft token alike, whoever proposed it.
 
 Every drafter is a ``Drafter``. A ``DraftLength`` says how many tokens a
-round drafts: ``FixedDraftLength``, or ``auto.AutoDraftLength`` for
-``--num-draft auto``.
+round drafts from each source (``DRAFT_SOURCES``): ``FixedDraftLength``,
+or ``auto.AutoDraftLength`` for ``--num-draft auto``. Its plan is a value,
+the round's g per source, which a group of processes shares once per round
+(``distributed.RankZeroDraftLength``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-# First: the fast BLAS on Linux must load before mlx (see model.py).
+# First: the fast BLAS on Linux must load before mlx (see cpu/__init__.py).
 import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from cache import DecoderCache
 from model import T5, ModelArgs
 from sampling import Noise, RowSampling
+
+if TYPE_CHECKING:
+    from speculative import RoundOutcome
+
+# Where draft tokens come from: a draft model, or prompt lookup.
+DRAFT_SOURCES = ("model", "lookup")
 
 
 class IncompatibleDraftError(ValueError):
@@ -91,11 +99,11 @@ class Drafter(Protocol):
         self,
         sequences: list[list[int]],
         sampling: RowSampling,
-        budget: Callable[[str], int],
+        num_draft: Mapping[str, int],
         limits: list[int],
         noise: Noise | None = None,
     ) -> Draft | None:
-        """Up to ``budget(source)`` tokens for each row of ``sequences`` (its
+        """Up to ``num_draft[source]`` tokens for each row of ``sequences`` (its
         start token and tokens so far), at most ``limits[i]`` for row i,
         drafted with the rows' ``noise`` (None: greedy); None when no row
         gets any."""
@@ -115,6 +123,19 @@ class Drafter(Protocol):
         ``ModelDrafter``): it neither drafts nor encodes joining prompts until then."""
 
 
+@dataclass(frozen=True)
+class RowState:
+    """What a draft-length rule is told of a row of the round: a free place
+    (not ``live``), or a prompt of ``prompt_tokens`` tokens, encoded in
+    ``prompt_seconds``, that has ``tokens`` tokens so far (its start token
+    included)."""
+
+    live: bool
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    tokens: int = 0
+
+
 class DraftLength(Protocol):
     """How many tokens the rounds of a batch draft: asked before every round
     (``plan``), told what the round gave (``observe``). ``FixedDraftLength``
@@ -122,13 +143,13 @@ class DraftLength(Protocol):
 
     calibration_seconds: float  # spent measuring before the batch's first round
 
-    def plan(self, rows: list, limits: list[int], drafter: Drafter) -> Callable[[str], int]:
+    def plan(self, rows: list[RowState], limits: list[int], drafter: Drafter) -> dict[str, int]:
         """The draft tokens per row of the next round over ``rows`` (at most
-        ``limits[i]`` for row i), as a function of the draft source (0 for
+        ``limits[i]`` for row i) from each of ``DRAFT_SOURCES`` (0 from
         every source: a plain step)."""
 
-    def observe(self, rows: list, outcome) -> None:
-        """What the round over ``rows`` gave (``decoder.RoundOutcome``)."""
+    def observe(self, rows: list[RowState], outcome: RoundOutcome) -> None:
+        """What the round over ``rows`` gave."""
 
 
 @dataclass
@@ -138,10 +159,10 @@ class FixedDraftLength:
     num_draft: int
     calibration_seconds: float = 0.0
 
-    def plan(self, rows: list, limits: list[int], drafter: Drafter) -> Callable[[str], int]:
-        return lambda source: self.num_draft
+    def plan(self, rows: list[RowState], limits: list[int], drafter: Drafter) -> dict[str, int]:
+        return dict.fromkeys(DRAFT_SOURCES, self.num_draft)
 
-    def observe(self, rows: list, outcome) -> None:
+    def observe(self, rows: list[RowState], outcome: RoundOutcome) -> None:
         pass
 
 
@@ -174,7 +195,7 @@ class ModelDrafter:
     tokens, not before: auto may never draft (at many rows a round of one
     draft token costs over twice a plain step), and encoding a batch's
     prompts for the draft model costs several plain steps
-    (docs/benchmarks.md, 2026-11-26). The rows' sequences catch up in the
+    (docs/benchmark-log.md, 2026-11-26). The rows' sequences catch up in the
     draft cache when it proposes, as after plain steps."""
 
     source = "model"
@@ -226,16 +247,16 @@ class ModelDrafter:
         self,
         sequences: list[list[int]],
         sampling: RowSampling,
-        budget: Callable[[str], int],
+        num_draft: Mapping[str, int],
         limits: list[int],
         noise: Noise | None = None,
     ) -> Draft | None:
-        """``budget("model")`` tokens per row, at most ``limits[i]`` for row
+        """``num_draft["model"]`` tokens per row, at most ``limits[i]`` for row
         i, without waiting for them (the last one is not fed back); None
         when no row gets any. Row i's j-th token is argmax(log q + G) with
         G its ``noise`` at offset j (None: no noise, every row greedy)."""
-        num_draft = min(budget(self.source), max(limits))
-        if num_draft == 0:
+        width = min(num_draft.get(self.source, 0), max(limits))
+        if width == 0:
             return None
         if self.cache is None:
             tic = time.perf_counter()
@@ -244,17 +265,17 @@ class ModelDrafter:
         pending = trim_to(self.cache, sequences)
         logits = decode_pending(self.model, self.cache, pending)
         tokens = []
-        for step in range(num_draft):
+        for step in range(width):
             step_noise = None if noise is None else noise.at(step)
             token = mx.argmax(sampling.scores(logits, step_noise), axis=-1)
             # Start computing this token while Python builds the next step's
             # graph; nothing waits for it until the round's single eval.
             mx.async_eval(token)
             tokens.append(token)
-            if step < num_draft - 1:
+            if step < width - 1:
                 logits = self.model.decode(token[:, None], self.cache)[:, -1]
-        self.fed = num_draft - 1
-        lengths = [min(num_draft, limit) for limit in limits]
+        self.fed = width - 1
+        lengths = [min(width, limit) for limit in limits]
         sources = [self.source] * len(limits)
         draft = Draft(mx.stack(tokens, axis=1), lengths, sources)
         return mask_past_lengths(draft)
@@ -317,11 +338,11 @@ class PromptLookupDrafter:
         self,
         sequences: list[list[int]],
         sampling: RowSampling,
-        budget: Callable[[str], int],
+        num_draft: Mapping[str, int],
         limits: list[int],
         noise: Noise | None = None,
     ) -> Draft | None:
-        """Up to ``budget("lookup")`` tokens per row, at most ``limits[i]``
+        """Up to ``num_draft["lookup"]`` tokens per row, at most ``limits[i]``
         for row i; a row with no matching n-gram gets none. None when no
         row gets any."""
         found = []
@@ -332,8 +353,8 @@ class PromptLookupDrafter:
             )
         if not any(found):
             return None
-        num_draft = budget(self.source)
-        found = [tokens[: min(num_draft, limit)] for tokens, limit in zip(found, limits)]
+        most = num_draft.get(self.source, 0)
+        found = [tokens[: min(most, limit)] for tokens, limit in zip(found, limits)]
         width = max(map(len, found))
         if width == 0:
             return None
@@ -374,14 +395,14 @@ class HybridDrafter:
         self,
         sequences: list[list[int]],
         sampling: RowSampling,
-        budget: Callable[[str], int],
+        num_draft: Mapping[str, int],
         limits: list[int],
         noise: Noise | None = None,
     ) -> Draft | None:
-        looked_up = self.lookup.propose(sequences, sampling, budget, limits)
+        looked_up = self.lookup.propose(sequences, sampling, num_draft, limits)
         if looked_up is not None and all(looked_up.lengths):
             return looked_up
-        modelled = self.model.propose(sequences, sampling, budget, limits, noise)
+        modelled = self.model.propose(sequences, sampling, num_draft, limits, noise)
         if looked_up is None or modelled is None:
             return looked_up or modelled
         use_lookup = [n > 0 for n in looked_up.lengths]

@@ -10,11 +10,11 @@ from pathlib import Path
 # Where convert.py writes models by default, relative to the directory it
 # runs in; models are looked up there, then in this repository's.
 MODELS_DIRECTORY = "mlx_models"
-REPOSITORY = Path(__file__).resolve().parent
+REPOSITORY = Path(__file__).resolve().parent  # the commands' own directory
 REPOSITORY_MODELS = REPOSITORY / MODELS_DIRECTORY
 
 # The weights convert.py writes (safetensors, which MLX reads itself), and
-# those of conversions by earlier versions (see model.weights_file).
+# those of conversions by earlier versions (see loading.weights_file).
 WEIGHTS_FILE = "weights.safetensors"
 LEGACY_WEIGHTS_FILE = "weights.npz"
 # Every name convert.py writes into a model directory: the weights, config.json

@@ -1,13 +1,14 @@
-"""Loading converted models: finding them by name, checking that a draft
-goes with its main model and that both fit in memory, and building a
+"""Loading converted models: finding them by name, reading their weights
+(split across a group of processes, where there is one), checking that a
+draft goes with its main model and that both fit in memory, and building a
 ``SpeculativeDecoder`` from them. ``main.py``, ``server.py`` and the
 benchmarks load through here; from Python, ``load`` is the one call:
 
     from loading import load
     decoder = load("t5-11b", "t5-small", num_draft=5)
 
-MLX, transformers and the models are imported only when something loads, so
-that a command checks its arguments (``cli.py``) before those slow imports.
+The commands import this module only once their arguments are checked
+(``cli.py``): it imports MLX, transformers' tokenizers come on first use.
 """
 
 from __future__ import annotations
@@ -15,14 +16,26 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+# First: the fast BLAS on Linux must load before mlx (see cpu/__init__.py).
+import cpu  # isort: skip
+import mlx.core as mx
+
+from auto import MAX_AUTO_DRAFT
+from cache import KVCache
+from cli import format_bytes, quiet_transformers, script_command
+from cpu.attention import SOFTMAX_CPU_MIN_SCORES
+from decoder import SpeculativeDecoder
+from distributed import rank_zero_forms
+from drafting import check_draft_compatible
 from layout import (
+    LEGACY_WEIGHTS_FILE,
     MODELS_DIRECTORY,
-    REPOSITORY,
     REPOSITORY_MODELS,
     WEIGHTS_FILE,
     conversions_of,
@@ -30,11 +43,17 @@ from layout import (
     is_checkpoint,
     is_converted,
 )
+from model import (
+    T5,
+    ModelArgs,
+    check_divisible,
+    encoder_block_size,
+    parameter_bytes,
+    quantize,
+    slice_positions,
+)
 
-if TYPE_CHECKING:
-    import mlx.core as mx
-
-    from decoder import SpeculativeDecoder
+# --- Finding models ----------------------------------------------------------
 
 
 def names_a_path(name: str) -> bool:
@@ -48,23 +67,6 @@ def names_a_path(name: str) -> bool:
         or name.count("/") > 1
         or (len(parts) > 1 and Path(parts[0]).is_dir())
     )
-
-
-def from_here(path: Path) -> str:
-    """``path`` as a user types it in the current directory: relative where
-    it lies below it, else absolute."""
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
-def script_command(script: str) -> str:
-    """How to run this repository's ``script`` (``convert.py``, ``main.py``)
-    in advice a user copies, from the current directory: this Python, then
-    the script (``.venv/bin/python convert.py`` in the checkout after the
-    README's quick start; absolute paths elsewhere)."""
-    return f"{from_here(Path(sys.executable))} {from_here(REPOSITORY / script)}"
 
 
 def resolve_model(name: str | Path) -> Path:
@@ -115,11 +117,7 @@ def resolve_model(name: str | Path) -> Path:
     )
 
 
-def quiet_transformers() -> None:
-    """Silence transformers' advisory warnings, such as that PyTorch was not
-    found: only its tokenizers are used, which need no PyTorch (the README's
-    install has none). Takes effect when transformers is first imported."""
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# --- Tokenizers and pairs ----------------------------------------------------
 
 
 # What transformers itself sets as model_max_length when a tokenizer has no limit.
@@ -146,7 +144,7 @@ def load_tokenizer(path: str | Path):
         config = {}
     if config.get("tokenizer_class") in T5_TOKENIZERS and (Path(path) / "tokenizer.json").is_file():
         # The same tokenizer as AutoTokenizer's, in under half its import
-        # time, a large part of a short command's (docs/benchmarks.md, 2026-11-26).
+        # time, a large part of a short command's (docs/benchmark-log.md, 2026-11-26).
         from transformers import T5TokenizerFast
 
         tokenizer = T5TokenizerFast.from_pretrained(str(path))
@@ -161,20 +159,116 @@ def load_tokenizer(path: str | Path):
 def check_draft_directories(main_path: str | Path, draft_path: str | Path) -> None:
     """``check_draft_compatible`` for two converted model directories,
     reading only their configs and tokenizers, before any weights are loaded."""
-    from drafting import check_draft_compatible
-    from model import load_config
-
     args = [load_config(path) for path in (main_path, draft_path)]
     vocabs = [load_tokenizer(path).get_vocab() for path in (main_path, draft_path)]
     check_draft_compatible(*args, str(main_path), str(draft_path), *vocabs)
 
 
+# --- Weights -----------------------------------------------------------------
+
+
+# A self-attention's projections, in the order SelfAttention.qkv_proj stacks them.
+STACKED_PROJECTIONS = ("query_proj", "key_proj", "value_proj")
+
+
+def stacked_projections(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """``weights`` (by parameter name) with each self-attention's query, key
+    and value projections stacked into its ``qkv_proj`` (see
+    ``SelfAttention``), as convert.py writes them; lazily. A quantized
+    layer's weight, scales and biases are stacked alike: its groups lie
+    along the inputs, so each output row keeps its own."""
+    stacked = dict(weights)
+    pattern = re.compile(r"(.+\.self_attn)\.query_proj\.(weight|scales|biases)")
+    for name in weights:
+        if match := pattern.fullmatch(name):
+            layer, kind = match.groups()
+            names = [f"{layer}.{projection}.{kind}" for projection in STACKED_PROJECTIONS]
+            if all(name in stacked for name in names):  # else loading says what is missing
+                parts = [stacked.pop(name) for name in names]
+                stacked[f"{layer}.qkv_proj.{kind}"] = mx.concatenate(parts, axis=0)
+    return stacked
+
+
+def weights_file(path: str | Path) -> Path:
+    """The weights of the converted model at ``path``: its ``WEIGHTS_FILE``
+    (safetensors), or the ``LEGACY_WEIGHTS_FILE`` (.npz) of an earlier
+    conversion; ``FileNotFoundError`` if it has neither.
+
+    MLX reads each member of an .npz through Python, and the last reader's
+    reference can be dropped on MLX's I/O thread after the interpreter has
+    begun to exit: a script that loads such a model and ends at once may
+    abort (SIGABRT, "terminate called without an active exception"), which
+    safetensors, faster to load too, avoids (docs/converting.md)."""
+    for name in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE):
+        if (Path(path) / name).is_file():
+            return Path(path) / name
+    raise FileNotFoundError(f"{Path(path) / WEIGHTS_FILE} does not exist")
+
+
+def load_config(path: str | Path) -> ModelArgs:
+    """The ``ModelArgs`` in ``path/config.json``; ``ValueError`` if unreadable."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} does not exist")
+    try:
+        return ModelArgs.from_dict(json.loads(config_file.read_text()))
+    except (ValueError, TypeError) as error:  # bad JSON, missing or odd fields
+        raise ValueError(
+            f"cannot read {config_file}: {error}; convert the model again with convert.py"
+        ) from None
+
+
+def load_model(
+    path: str | Path,
+    group: mx.distributed.Group | None = None,
+    choose_form: Callable[..., str] | None = None,
+) -> T5:
+    """Load a model directory written by ``convert.py``, quantized or not:
+    with a ``group``, only this process's share of it, split across the
+    group (``model.T5.shard``); ``choose_form``: the CPU's choice
+    of product forms (``cpu.prepare``).
+
+    Raises ``FileNotFoundError`` if a file is missing and ``ValueError`` if
+    the weights are unreadable or do not fit the configuration.
+    """
+    path = Path(path)
+    args = load_config(path)
+    file = weights_file(path)
+    if file.name == LEGACY_WEIGHTS_FILE:
+        print(
+            f"note: {file} is the format of earlier conversions, which can abort the "
+            f"process as it exits; convert the model again to write {WEIGHTS_FILE}",
+            file=sys.stderr,
+        )
+    try:
+        weights = mx.load(str(file))
+        if file.name == LEGACY_WEIGHTS_FILE:
+            weights = stacked_projections(weights)
+        model = T5(args)
+        if args.quantization:
+            # The layers convert.py quantized are those whose weights have scales.
+            scaled = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
+            quantize(model, args.quantization, scaled)
+        model.load_weights(list(weights.items()))
+        del weights  # the model holds them now: each weight cpu.prepare copies is freed
+        if group is not None:
+            model.shard(group)
+        cpu.prepare(model, choose_form)
+        mx.eval(model.parameters())
+    except (ValueError, RuntimeError) as error:
+        reason = " ".join(str(error).split())  # MLX's message spans lines
+        raise ValueError(
+            f"cannot load the weights in {file}: {reason}; convert the model again with convert.py"
+        ) from None
+    return model
+
+
+# --- Memory ------------------------------------------------------------------
+
+
 def available_memory() -> int:
     """Bytes MLX can use: the recommended working set on Apple silicon, else
     the physical memory."""
-    import cpu  # noqa: F401  # isort: skip  (on Linux, the BLAS MLX must load first)
-    import mlx.core as mx
-
     info = mx.device_info()
     if "max_recommended_working_set_size" in info:
         return info["max_recommended_working_set_size"]
@@ -206,14 +300,6 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
     ``model.ENCODER_BLOCK_BYTES``, so memory grows with the prompt, not its
     square) and the feed-forward block's hidden layer (over the same block
     of positions, ``model.T5.encode_slices``)."""
-    import cpu  # noqa: F401  # isort: skip  (on Linux, the BLAS MLX must load first)
-    import mlx.core as mx
-
-    from auto import MAX_AUTO_DRAFT
-    from cache import KVCache
-    from cpu.attention import SOFTMAX_CPU_MIN_SCORES
-    from model import encoder_block_size, load_config, slice_positions
-
     args = load_config(path)
     config = json.loads((path / "config.json").read_text())
     value_bytes = 2 if config.get("dtype", "float32") in ("bfloat16", "float16") else 4
@@ -246,9 +332,29 @@ def runtime_bytes(path: Path, prompt_tokens: int, max_tokens: int) -> int:
 FOUR_BIT = {"group_size": 64, "bits": 4, "mode": "affine"}
 
 
-def format_bytes(size: float) -> str:
-    """``size`` bytes in GB, or in MB below 0.1 GB."""
-    return f"{size / 1e9:.3f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
+def held_bytes(
+    paths: list[Path], prompt_tokens: int, max_tokens: int, shards: int = 1
+) -> tuple[list[float], list[float]]:
+    """What this process holds of each model at ``paths`` (the main model's
+    directory, then the draft's, if any): its weights' bytes, and the bytes
+    one row decoding a prompt of ``prompt_tokens`` tokens up to
+    ``max_tokens`` needs besides (``runtime_bytes``); the main model split
+    into ``shards`` (one process's share of its weights and caches)."""
+    share = [1 / shards] + [1] * (len(paths) - 1)
+    weights = [weights_file(path).stat().st_size * part for path, part in zip(paths, share)]
+    rows = [
+        runtime_bytes(path, prompt_tokens, max_tokens) * part for path, part in zip(paths, share)
+    ]
+    return weights, rows
+
+
+def largest(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest n in [``low``, ``high``] that ``fits``, which holds at
+    ``low`` and, once it fails, fails for every larger n."""
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
 
 
 def check_memory(
@@ -260,20 +366,9 @@ def check_memory(
     shards: int = 1,
 ) -> None:
     """Raise ``MemoryError``, saying what would fit, when the models at
-    ``paths`` (the main model's directory, then the draft's, if any) would not
-    fit in memory together, decoding ``batch_size`` prompts of up to
-    ``prompt_tokens`` tokens at once; the main model split into ``shards``
-    (one process's share of its weights and caches: see ``distributed.py``)."""
-    import cpu  # noqa: F401  # isort: skip  (on Linux, the BLAS MLX must load first)
-    import mlx.core as mx
-
-    from model import load_config, parameter_bytes, weights_file
-
-    share = [1 / shards] + [1] * (len(paths) - 1)
-    weights = [weights_file(path).stat().st_size * part for path, part in zip(paths, share)]
-    per_row = [
-        runtime_bytes(path, prompt_tokens, max_tokens) * part for path, part in zip(paths, share)
-    ]
+    ``paths`` (``held_bytes``) would not fit in memory together, decoding
+    ``batch_size`` prompts of up to ``prompt_tokens`` tokens at once."""
+    weights, per_row = held_bytes(paths, prompt_tokens, max_tokens, shards)
     runtime = [batch_size * row for row in per_row]
     needed, available = sum(weights) + sum(runtime), available_memory()
     if needed <= available:
@@ -289,23 +384,18 @@ def check_memory(
         raise MemoryError(f"{message}; --batch-size {fitting} fits")
 
     def fits(tokens: int) -> bool:
-        rows = sum(
-            runtime_bytes(path, prompt_tokens, tokens) * part for path, part in zip(paths, share)
-        )
-        return sum(weights) + batch_size * rows <= available
+        rows = held_bytes(paths, prompt_tokens, tokens, shards)[1]
+        return sum(weights) + batch_size * sum(rows) <= available
 
     if fits(1):  # the cache for the tokens asked for is what does not fit
-        most, too_many = 1, max_tokens
-        while too_many - most > 1:
-            middle = (most + too_many) // 2
-            most, too_many = (middle, too_many) if fits(middle) else (most, middle)
+        most = largest(fits, 1, max_tokens - 1)
         raise MemoryError(
             f"{message}: the decoder cache for --max-tokens {max_tokens} does not fit; "
             f"--max-tokens {most} fits"
         )
     main_args = load_config(paths[0])
     if main_args.quantization is None:
-        four_bit = parameter_bytes(main_args, mx.bfloat16, FOUR_BIT) * share[0]
+        four_bit = parameter_bytes(main_args, mx.bfloat16, FOUR_BIT) / shards
         message += f"; with 4-bit weights the main model needs {format_bytes(four_bit)}"
         if needed - weights[0] + four_bit <= available:
             source = "<its checkpoint>" if Path(model_name).is_dir() else model_name
@@ -315,6 +405,43 @@ def check_memory(
     elif len(paths) > 1 and weights[0] + runtime[0] <= available:
         message += "; the main model alone fits: --draft-model-name none --prompt-lookup 3"
     raise MemoryError(message)
+
+
+def prompt_token_limit(paths: list[Path], max_tokens: int, batch_size: int, shards: int = 1) -> int:
+    """The longest prompt, in tokens, for which ``batch_size`` rows at
+    ``max_tokens`` fit in memory (``held_bytes``), and which costs the rows
+    beside it at most half their speed (``cost_token_limit``): a server's
+    limit."""
+    available = available_memory()
+
+    def fits(tokens: int) -> bool:
+        weights, rows = held_bytes(paths, tokens, max_tokens, shards)
+        return sum(weights) + batch_size * sum(rows) <= available
+
+    if not fits(1):
+        raise MemoryError(
+            f"{' and '.join(map(str, paths))} leave no memory for a batch of {batch_size}"
+        )
+    return min(largest(fits, 1, 1 << 20), cost_token_limit(load_config(paths[0])))
+
+
+def cost_token_limit(args: ModelArgs) -> int:
+    """The longest prompt whose cross-attention costs a decoded token no
+    more multiply-adds than the rest of the main model's step
+    (``ModelArgs.decode_work``). Its encoding is sliced between the rounds
+    (``BatchGenerator``), but once it joins, every row's cross-attention
+    widens to its length until it leaves: the rows beside it then decode
+    at no less than about half their speed. Never below ``COST_LIMIT_FLOOR``."""
+    per_prompt_token = args.num_decoder_layers * 2 * args.num_heads * args.d_kv
+    return max(COST_LIMIT_FLOOR, args.decode_work // per_prompt_token)
+
+
+# A small model's step is mostly fixed costs that multiply-adds do not
+# count: cost_token_limit accepts prompts up to this length whatever the model.
+COST_LIMIT_FLOOR = 2048
+
+
+# --- Loading -----------------------------------------------------------------
 
 
 def model_paths(model: str | Path, draft_model: str | Path | None) -> list[Path]:
@@ -343,14 +470,9 @@ def load_decoder(
     ``group`` of processes (``distributed.init_group``), each loads only
     its share of the main model, split across them, and the draft model
     whole; their choices that depend on timing are rank 0's."""
-    from decoder import SpeculativeDecoder
-    from model import load_config, load_model
-
     if group is None:
         models = [load_model(path) for path in paths]
     else:
-        from distributed import check_divisible, rank_zero_forms
-
         check_divisible(load_config(paths[0]), group.size(), str(paths[0]))
         choose_form = rank_zero_forms(group)
         models = [load_model(paths[0], group, choose_form)]
@@ -364,6 +486,31 @@ def load_decoder(
         prompt_lookup=prompt_lookup,
         group=group,
     )
+
+
+def load_checked(
+    model_name: str,
+    paths: list[Path],
+    *,
+    prompt_tokens: int,
+    max_tokens: int,
+    batch_size: int,
+    group: mx.distributed.Group | None = None,
+    tokenizer=None,
+    **decoding,
+) -> SpeculativeDecoder:
+    """What ``main.py`` and ``server.py`` do to load the models at ``paths``
+    (``model_paths`` of ``model_name`` and its draft): check that
+    ``batch_size`` rows of ``prompt_tokens`` and ``max_tokens`` fit
+    (``check_memory``, counting this process's share of a main model split
+    across ``group``), say what loads on standard error, then load
+    (``load_decoder``, with ``decoding``'s num_draft, delta and prompt_lookup)."""
+    shards = group.size() if group is not None else 1
+    check_memory(model_name, paths, prompt_tokens, max_tokens, batch_size, shards)
+    for path, role in zip(paths, ("", "draft ")):
+        across = f" (split across {shards} processes)" if shards > 1 and not role else ""
+        print(f"Loading {role}{path}{across}", file=sys.stderr)
+    return load_decoder(paths, tokenizer, group=group, **decoding)
 
 
 def load(

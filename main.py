@@ -24,27 +24,29 @@ order, and nothing else goes to standard output.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import signal
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from cli import (
     FULL_FLOAT32_NOTE,
     NON_NEGATIVE,
     POSITIVE,
     ArgumentParser,
+    InOrderLines,
+    JsonLines,
     add_drafting_options,
     checked,
+    format_bytes,
     full_float32,
+    open_output,
+    quiet_transformers,
     read_prompt,
+    read_prompts,
+    refuse_existing,
     seed,
 )
-from loading import format_bytes, quiet_transformers
 
 CPU_QUANTIZED_NOTE = (
     "note: on the CPU, MLX's quantized matrix products slow down with every row, so prompt "
@@ -205,7 +207,7 @@ def print_batch_summary(
     latest result, by index), on standard error: throughput is generated
     tokens per second of wall time since loading; prompt processing is
     counted apart too. With ``seed``, the seed every prompt sampled with."""
-    from decoder import GenerationResult
+    from speculative import GenerationResult
 
     started = list(results.values())
     total = GenerationResult(
@@ -262,92 +264,6 @@ def stop_at_once(signum: int, frame) -> None:
     os._exit(130)
 
 
-def read_prompts(source: str) -> list[str]:
-    """The prompts of ``--prompts``: the non-blank lines of the file
-    ``source`` (``-``: standard input)."""
-    if source == "-" and sys.stdin.isatty():  # otherwise a blank screen waits for typing
-        print("reading prompts from standard input, one per line; end with Ctrl-D", file=sys.stderr)
-    try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"--prompts {source}: no such file") from None
-    except UnicodeDecodeError as error:
-        raise ValueError(f"--prompts {source}: not UTF-8 text ({error})") from None
-    except OSError as error:
-        raise ValueError(f"--prompts {source}: {error.strerror or error}") from None
-    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    prompts = [line for line in lines if line.strip()]
-    if not prompts:
-        raise ValueError(f"--prompts {source}: no prompts (empty, or only blank lines)")
-    return prompts
-
-
-def refuse_existing(path: str) -> None:
-    """Refuse, before anything loads, an --output that cannot be written:
-    something already at ``path`` (--output writes only a new file, never
-    over one it did not write), no name, or a directory that takes no new
-    file. ``-`` is standard output."""
-    if path == "-":
-        return
-    if not path:
-        raise ValueError("--output '': give a new file's name, or - for standard output")
-    if os.path.lexists(path):
-        raise FileExistsError(f"--output {path} already exists; give a new file's name")
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise FileNotFoundError(f"--output {path}: no directory {parent}")
-    try:  # the one sure test that a file can be made there; nothing stays behind
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as error:
-        raise ValueError(f"--output {path}: cannot write in {parent} ({error.strerror})") from None
-
-
-def one_line(text: str) -> str:
-    """``text`` on one line: a backslash written \\\\, a line break \\n, a
-    carriage return \\r (undone by reading each \\ and the character after it
-    as a pair)."""
-    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
-
-
-class InOrderLines:
-    """Finished texts on ``file``, one line per prompt, in input order: each
-    as soon as it and every prompt before it are done."""
-
-    def __init__(self, file):
-        self.file = file
-        self.waiting = {}  # finished, behind an unfinished prompt
-        self.printed = 0
-
-    def add(self, index: int, result) -> None:
-        self.waiting[index] = result.text
-        while self.printed in self.waiting:
-            self.file.write(one_line(self.waiting.pop(self.printed)) + "\n")
-            self.printed += 1
-        self.file.flush()
-
-
-class JsonLines:
-    """Finished results as JSON Lines on ``file``, in completion order, each
-    flushed at once."""
-
-    def __init__(self, file):
-        self.file = file
-        self.waiting = {}  # never any: every result is written at once
-
-    def add(self, index: int, result) -> None:
-        record = {
-            "index": index,
-            "text": result.text,
-            "tokens": result.tokens,
-            "n_accepted": result.n_accepted,
-            "n_draft": result.n_draft,
-            "seed": result.seed,
-        }
-        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.file.flush()
-
-
 def run(args: argparse.Namespace) -> int:
     """Generate as ``args`` say, alone or as one process of a group that
     ``mlx.launch`` started (see distributed.py); the exit status (130:
@@ -377,7 +293,7 @@ def generate(args: argparse.Namespace, group) -> int:
     import mlx.core as mx
 
     from distributed import rank_zero_seed
-    from loading import check_memory, load_decoder, load_tokenizer, model_paths
+    from loading import load_checked, load_tokenizer, model_paths
     from sampling import draw_seed
 
     if args.seed is None:  # drawn, so that the summary can name it
@@ -393,19 +309,17 @@ def generate(args: argparse.Namespace, group) -> int:
             "so it decodes every prompt itself",
             file=sys.stderr,
         )
-    split = None if args.data_parallel else group  # the main model split across the processes
-    shards = split.size() if split else 1
-    check_memory(args.model_name, paths, longest, args.max_tokens, batch_size, shards)
-    for path, role in zip(paths, ("", "draft ")):
-        across = f" (split across {shards} processes)" if shards > 1 and not role else ""
-        print(f"Loading {role}{path}{across}", file=sys.stderr)
-    decoder = load_decoder(
+    decoder = load_checked(
+        args.model_name,
         paths,
-        tokenizer,
+        prompt_tokens=longest,
+        max_tokens=args.max_tokens,
+        batch_size=batch_size,
+        group=None if args.data_parallel else group,  # the main model split across it
+        tokenizer=tokenizer,
         num_draft=args.num_draft,
         delta=args.delta,
         prompt_lookup=0 if args.regular_decode else args.prompt_lookup,
-        group=split,
     )
     models = [decoder.model] + ([decoder.draft_model] if decoder.draft_model else [])
     if mx.default_device() == mx.cpu:
@@ -425,16 +339,11 @@ def draft_model_name(args: argparse.Namespace) -> str | None:
     return args.draft_model_name
 
 
-def sampling_options(args: argparse.Namespace) -> dict:
-    """The keyword arguments of ``stream`` and ``stream_batch`` that ``args`` give."""
-    return {
-        "speculative": not args.regular_decode,
-        "max_tokens": args.max_tokens,
-        "temp": args.temp,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
-    }
+def options_of(args: argparse.Namespace):
+    """The ``speculative.Options`` that ``args`` give."""
+    from speculative import Options
+
+    return Options(args.max_tokens, args.temp, args.top_p, args.top_k, args.seed)
 
 
 # A bar for prompt processing appears only once it has taken this many seconds.
@@ -503,7 +412,13 @@ def generate_one(args: argparse.Namespace, decoder, prompt: str, group=None) -> 
     try:
         # While generating, Ctrl-C stops it: the text so far and its summary are kept.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for result in decoder.stream(prompt, prompt_progress=progress, **sampling_options(args)):
+        stream = decoder.stream(
+            prompt,
+            options=options_of(args),
+            speculative=not args.regular_decode,
+            prompt_progress=progress,
+        )
+        for result in stream:
             if result.text.startswith(printed):
                 text = new_text(result, decoder.tokenizer, printed, num_printed, show_draft)
                 print(text, end="", flush=True)
@@ -513,8 +428,9 @@ def generate_one(args: argparse.Namespace, decoder, prompt: str, group=None) -> 
     finally:
         progress.close()
         signal.signal(signal.SIGINT, stop_at_once)
-    if printed or stopped is None:
+    if result is not None or stopped is None:
         print()
+    say_interrupted(stopped)
     if result is not None:
         print_summary(result, decoder.drafting, args.num_draft, sampled=args.temp > 0)
     return exit_status(stopped)
@@ -529,29 +445,22 @@ def stopping(error: BaseException, group) -> BaseException:
     raise error
 
 
+def say_interrupted(stopped: BaseException | None) -> None:
+    """Say "interrupted" before the summary when Ctrl-C ``stopped`` the run."""
+    if type(stopped) is KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+
+
 def exit_status(stopped: BaseException | None) -> int:
     """The exit status of a run that ``stopped`` ended early (None: it did
     not), once its summary is written: 130 after Ctrl-C; in a group,
     ``stopped`` raised again, for ``distributed.failures_end_group`` to end
-    the process with its one line."""
+    the process with its one line after the summary."""
     if stopped is None:
         return 0
     if type(stopped) is not KeyboardInterrupt:
         raise stopped
-    print("interrupted", file=sys.stderr)
     return 130
-
-
-def open_output(path: str | None):
-    """Standard output (left open), or the new file ``path``: mode "x" never
-    writes over a file that appeared since ``refuse_existing`` looked."""
-    if path is None or path == "-":
-        return contextlib.nullcontext(sys.stdout)
-    try:
-        return open(path, "x", encoding="utf-8")
-    except FileExistsError:
-        refuse_existing(path)
-        raise
 
 
 def generate_all(args: argparse.Namespace, decoder, prompts: list[str], group=None) -> int:
@@ -560,10 +469,10 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str], group=No
     they finish), a progress bar on standard error if it is a terminal, then
     the summary; the exit status (130: interrupted). ``group``: the
     processes the main model is split across or, with --data-parallel, that
-    share the prompts (``distributed.data_parallel_stream``); None alone."""
+    share the prompts (``data_parallel.data_parallel_stream``); None alone."""
     from tqdm import tqdm
 
-    from distributed import data_parallel_stream
+    from data_parallel import data_parallel_stream
 
     results = {}
     stopped = None
@@ -580,12 +489,15 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str], group=No
         try:
             # Ctrl-C stops the run: what finished is written already, the summary follows.
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            options = {"batch_size": args.batch_size, "prompt_progress": progress}
-            options.update(sampling_options(args))
+            how = {
+                "speculative": not args.regular_decode,
+                "batch_size": args.batch_size,
+                "prompt_progress": progress,
+            }
             if args.data_parallel and group is not None:
-                events = data_parallel_stream(decoder, prompts, group, **options)
+                events = data_parallel_stream(decoder, prompts, options_of(args), group, **how)
             else:
-                events = decoder.stream_batch(prompts, **options)
+                events = decoder.stream_batch(prompts, options=options_of(args), **how)
             for index, result in events:
                 results[index] = result
                 if result.finished:
@@ -600,6 +512,7 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str], group=No
             progress.close()
             bar.close()
     wall_time = time.perf_counter() - start
+    say_interrupted(stopped)
     if sink.waiting:
         held = len(sink.waiting)
         print(

@@ -9,25 +9,21 @@ feed-forward block.
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import sys
 import weakref
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TypeVar
 
 # First, so that importing this module (or decoder) from Python gets the fast
 # BLAS on Linux too: MLX binds to an optimized BLAS only if it is loaded before mlx.
-import cpu  # isort: skip
+import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 from mlx import nn
+from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten
 
 from cache import DecoderCache, KVCache, joined_caches, padding_mask
-from layout import LEGACY_WEIGHTS_FILE, WEIGHTS_FILE
 
 
 @dataclass
@@ -191,7 +187,7 @@ def encoder_block_size(batch_size: int, num_heads: int, length: int) -> int:
 # The encoder works in slices of about this many multiply-adds (a block of
 # 8 MB of scores is about as much attention), so that a batch can decode
 # between two of them (see ``T5.prompt_cache_slices``): a slice takes less
-# time on the CPU than a round over one row (docs/benchmarks.md, 2026-11-28).
+# time on the CPU than a round over one row (docs/benchmark-log.md, 2026-11-28).
 ENCODER_SLICE_WORK = 1 << 29
 
 T = TypeVar("T")
@@ -283,7 +279,7 @@ class SelfAttention(Attention):
     """Attention of a sequence over itself. Its queries, keys and values
     come from one product with the three projections stacked (``qkv_proj``,
     [3 * heads * d_kv, d_model]): one weight read and one product for the
-    three, which makes a decoder pass faster (docs/benchmarks.md, 2026-11-26)."""
+    three, which makes a decoder pass faster (docs/benchmark-log.md, 2026-11-26)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
@@ -301,7 +297,7 @@ class SelfAttention(Attention):
         # Copied out of their heads' views once, for the attention's
         # products: a product copies a view whose rows are not packed, and
         # the keys', read transposed, as a transpose, several times slower
-        # than this copy (docs/benchmarks.md, 2026-11-26).
+        # than this copy (docs/benchmark-log.md, 2026-11-26).
         return tuple(map(mx.contiguous, self.split_stacked(stacked)))
 
     def split_stacked(self, stacked: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -415,7 +411,7 @@ class EncoderLayer(nn.Module):
 # Prompts of a batch are encoded in one padded pass when the longest is at
 # most this many times the shortest: padding is work for nothing, and a pass
 # more costs little once it holds a few prompts. 1.25 encodes the benchmark
-# pair's prompts fastest of 1.1, 1.25, 1.5 and 2 (docs/benchmarks.md, 2026-11-25).
+# pair's prompts fastest of 1.1, 1.25, 1.5 and 2 (docs/benchmark-log.md, 2026-11-25).
 ENCODE_TOGETHER_RATIO = 1.25
 
 
@@ -459,7 +455,7 @@ class DecoderLayer(nn.Module):
     positions as rows [B * T, d_model], in ``RowsFunction``s: a decoder pass
     is a graph of about a thousand small operations, which MLX runs one at a
     time, so fewer of them and less Python per pass make passes faster,
-    most over few rows (docs/benchmarks.md, 2026-11-26)."""
+    most over few rows (docs/benchmark-log.md, 2026-11-26)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -474,7 +470,7 @@ class DecoderLayer(nn.Module):
     def compile_rows(self, shapeless: bool = True) -> None:
         """Compile the work around the attentions (``RowsFunction``), for
         any number of rows at once unless not ``shapeless``: a layer split
-        across processes sums across them there (``distributed.shard_model``),
+        across processes sums across them there (``T5.shard``),
         which has no shapeless form."""
         self.self_attention_inputs = RowsFunction(
             DecoderLayer._self_attention_inputs, self, shapeless
@@ -697,6 +693,64 @@ class T5(nn.Module):
         memory = self.encode(inputs, mask)
         return self.decode(decoder_inputs, self.make_cache(memory, mask))
 
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Split the attention heads and feed-forward hidden units across the
+        processes of ``group`` (tensor parallel), in place, keeping this
+        one's share: the query, key and value projections and the
+        feed-forward input projections by output rows (a self-attention's
+        stacked ``qkv_proj`` as three segments), the output projections by
+        input columns, summed across the processes, and the position bias
+        tables by head. Each layer is computed once split, so that a model
+        loaded lazily is read one layer at a time and never held whole.
+        ``ValueError`` when the model does not divide (``check_divisible``)."""
+        check_divisible(self.args, group.size())
+
+        def split(module: nn.Module, name: str, sharding: str, segments: int = 1) -> None:
+            layer = shard_linear(getattr(module, name), sharding, segments=segments, group=group)
+            setattr(module, name, layer)
+
+        for stack in (self.encoder, self.decoder):
+            shard_inplace(stack.position_bias, lambda path, weight: -1, group=group)
+            mx.eval(stack.position_bias.parameters())
+            for layer in stack.layers:
+                for module in layer.modules():
+                    if isinstance(module, SelfAttention):
+                        split(module, "qkv_proj", "all-to-sharded", segments=3)
+                    elif isinstance(module, CrossAttention):
+                        for name in ("query_proj", "key_proj", "value_proj"):
+                            split(module, name, "all-to-sharded")
+                    elif isinstance(module, FeedForward):
+                        for name in ("wi_0", "wi_1") if module.gated else ("wi",):
+                            split(module, name, "all-to-sharded")
+                        split(module, "wo", "sharded-to-all")
+                    if isinstance(module, Attention):
+                        split(module, "out_proj", "sharded-to-all")
+                        module.num_heads //= group.size()
+                if isinstance(layer, DecoderLayer):
+                    # A sum across processes has no shapeless form (mx.compile).
+                    layer.compile_rows(shapeless=False)
+                mx.eval(layer.parameters())
+
+
+def check_divisible(args: ModelArgs, ranks: int, name: str = "the main model") -> None:
+    """``ValueError`` unless a model of ``args`` splits evenly across
+    ``ranks``: its heads, its feed-forward width and, quantized, the groups
+    of its layers split by input columns (each rank's columns whole groups)."""
+    cannot = f"cannot split {name} across {ranks} processes"
+    if args.num_heads % ranks:
+        raise ValueError(f"{cannot}: its {args.num_heads} attention heads do not divide by {ranks}")
+    if args.d_ff % ranks:
+        raise ValueError(f"{cannot}: its feed-forward width {args.d_ff} does not divide by {ranks}")
+    if args.quantization is None:
+        return
+    group_size = args.quantization["group_size"]
+    for width in (args.num_heads * args.d_kv, args.d_ff):
+        if (width // ranks) % group_size:
+            raise ValueError(
+                f"{cannot}: the {width // ranks} input columns each would hold of a "
+                f"{width}-wide quantized layer are not whole groups of {group_size}"
+            )
+
 
 def quantizable_layers(model: T5, group_size: int) -> tuple[set[str], set[str]]:
     """Which layers a quantized conversion quantizes: the paths of every
@@ -733,101 +787,3 @@ def parameter_bytes(args: ModelArgs, dtype: mx.Dtype, quantization: dict | None 
     if quantization:
         quantize(model, quantization, quantizable_layers(model, quantization["group_size"])[0])
     return sum(parameter.nbytes for _, parameter in tree_flatten(model.parameters()))
-
-
-# A self-attention's projections, in the order SelfAttention.qkv_proj stacks them.
-STACKED_PROJECTIONS = ("query_proj", "key_proj", "value_proj")
-
-
-def stacked_projections(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """``weights`` (by parameter name) with each self-attention's query, key
-    and value projections stacked into its ``qkv_proj`` (see
-    ``SelfAttention``), as convert.py writes them; lazily. A quantized
-    layer's weight, scales and biases are stacked alike: its groups lie
-    along the inputs, so each output row keeps its own."""
-    stacked = dict(weights)
-    pattern = re.compile(r"(.+\.self_attn)\.query_proj\.(weight|scales|biases)")
-    for name in weights:
-        if match := pattern.fullmatch(name):
-            layer, kind = match.groups()
-            names = [f"{layer}.{projection}.{kind}" for projection in STACKED_PROJECTIONS]
-            if all(name in stacked for name in names):  # else loading says what is missing
-                parts = [stacked.pop(name) for name in names]
-                stacked[f"{layer}.qkv_proj.{kind}"] = mx.concatenate(parts, axis=0)
-    return stacked
-
-
-def weights_file(path: str | Path) -> Path:
-    """The weights of the converted model at ``path``: its ``WEIGHTS_FILE``
-    (safetensors), or the ``LEGACY_WEIGHTS_FILE`` (.npz) of an earlier
-    conversion; ``FileNotFoundError`` if it has neither.
-
-    MLX reads each member of an .npz through Python, and the last reader's
-    reference can be dropped on MLX's I/O thread after the interpreter has
-    begun to exit: a script that loads such a model and ends at once may
-    abort (SIGABRT, "terminate called without an active exception"), which
-    safetensors, faster to load too, avoids (docs/converting.md)."""
-    for name in (WEIGHTS_FILE, LEGACY_WEIGHTS_FILE):
-        if (Path(path) / name).is_file():
-            return Path(path) / name
-    raise FileNotFoundError(f"{Path(path) / WEIGHTS_FILE} does not exist")
-
-
-def load_config(path: str | Path) -> ModelArgs:
-    """The ``ModelArgs`` in ``path/config.json``; ``ValueError`` if unreadable."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} does not exist")
-    try:
-        return ModelArgs.from_dict(json.loads(config_file.read_text()))
-    except (ValueError, TypeError) as error:  # bad JSON, missing or odd fields
-        raise ValueError(
-            f"cannot read {config_file}: {error}; convert the model again with convert.py"
-        ) from None
-
-
-def load_model(
-    path: str | Path,
-    group: mx.distributed.Group | None = None,
-    choose_form: Callable[..., str] | None = None,
-) -> T5:
-    """Load a model directory written by ``convert.py``, quantized or not:
-    with a ``group``, only this process's share of it, split across the
-    group (``distributed.shard_model``); ``choose_form``: the CPU's choice
-    of product forms (``cpu.prepare``).
-
-    Raises ``FileNotFoundError`` if a file is missing and ``ValueError`` if
-    the weights are unreadable or do not fit the configuration.
-    """
-    path = Path(path)
-    args = load_config(path)
-    file = weights_file(path)
-    if file.name == LEGACY_WEIGHTS_FILE:
-        print(
-            f"note: {file} is the format of earlier conversions, which can abort the "
-            f"process as it exits; convert the model again to write {WEIGHTS_FILE}",
-            file=sys.stderr,
-        )
-    try:
-        weights = mx.load(str(file))
-        if file.name == LEGACY_WEIGHTS_FILE:
-            weights = stacked_projections(weights)
-        model = T5(args)
-        if args.quantization:
-            # The layers convert.py quantized are those whose weights have scales.
-            scaled = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
-            quantize(model, args.quantization, scaled)
-        model.load_weights(list(weights.items()))
-        del weights  # the model holds them now: each weight cpu.prepare copies is freed
-        if group is not None:
-            from distributed import shard_model  # which imports this module
-
-            shard_model(model, group)
-        cpu.prepare(model, choose_form)
-        mx.eval(model.parameters())
-    except (ValueError, RuntimeError) as error:
-        reason = " ".join(str(error).split())  # MLX's message spans lines
-        raise ValueError(
-            f"cannot load the weights in {file}: {reason}; convert the model again with convert.py"
-        ) from None
-    return model

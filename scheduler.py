@@ -1,5 +1,5 @@
 """The batch a prompt joins: places, prompts joining and leaving, and the
-rounds that decode it (``decoder.speculative_round``).
+rounds that decode it (``speculative.speculative_round``).
 
 A ``BatchGenerator`` holds the rows of one batch in the places of its
 caches. Prompts wait in a queue, are encoded (together, in slices between
@@ -17,20 +17,52 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
-# First: the fast BLAS on Linux must load before mlx (see model.py).
+# First: the fast BLAS on Linux must load before mlx (see cpu/__init__.py).
 import cpu  # noqa: F401  # isort: skip
 
 from cache import DecoderCache, compacted_rows
-from decoder import GenerationResult, RoundOutcome, speculative_round
 from detokenizer import StreamingDetokenizer
-from drafting import Drafter, DraftLength
-from model import Slices, encoder_passes
-from sampling import SEEDS, Noise, RowSampling, Sampling, draw_seed, is_seed
+from drafting import Drafter, DraftLength, RowState
+from model import T5, Slices, encoder_passes
+from sampling import Noise, RowSampling, Sampling, draw_seed
+from speculative import GenerationResult, Options, RoundOutcome, speculative_round
 
-if TYPE_CHECKING:
-    from decoder import SpeculativeDecoder
+DEFAULT_OPTIONS = Options()
+
+
+class Decoding(Protocol):
+    """What a batch needs of the decoder it decodes for (the Python API's
+    ``decoder.SpeculativeDecoder`` is one): the models, the acceptance
+    relaxation, the tokenizer, and the drafters and draft-length rules of
+    its batches."""
+
+    model: T5
+    draft_model: T5 | None
+    tokenizer: object
+    delta: float
+
+    @property
+    def drafting(self) -> str:
+        """The drafting mode: "draft model", "prompt lookup", "hybrid" or "none"."""
+
+    @property
+    def lazy_drafting(self) -> bool:
+        """Whether the draft model encodes a batch's prompts only when it first drafts."""
+
+    @property
+    def byte_ids(self) -> frozenset[int]:
+        """The tokenizer's byte pieces (``detokenizer.byte_piece_ids``)."""
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The token ids of ``prompt``; ``TypeError`` or ``ValueError`` if it has none."""
+
+    def drafter(self, prompts: list[list[int]], cache: DecoderCache | None = None) -> Drafter:
+        """A drafter for a batch of ``prompts``; ``cache``: the draft model's, if encoded."""
+
+    def draft_length(self, prompts: list[list[int]], batch_sizes: list[int]) -> DraftLength:
+        """The draft-length rule of a batch whose first rows are ``prompts``."""
 
 
 @dataclass
@@ -46,9 +78,6 @@ class Row:
     result: GenerationResult | None = None  # set when the row joins the batch
     detokenizer: StreamingDetokenizer | None = None  # its text; set as it joins
     start: float = 0.0  # time.perf_counter() when its prompt processing began
-
-
-GREEDY = Sampling()
 
 
 # A place freed by a finished or cancelled prompt stays in the caches, free
@@ -145,7 +174,7 @@ class BatchGenerator:
 
     def __init__(
         self,
-        decoder: SpeculativeDecoder,
+        decoder: Decoding,
         *,
         speculative: bool = True,
         max_batch_size: int = 8,
@@ -187,32 +216,18 @@ class BatchGenerator:
         encoding = sum(len(e.rows) - len(e.cancelled) for e in self.encodings)
         return len(self.waiting) + encoding + sum(row is not None for row in self.rows)
 
-    def insert(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int = 100,
-        sampling: Sampling = GREEDY,
-        seed: int | None = None,
-    ) -> int:
-        """Queue ``prompt`` (text, or token ids) and return its uid, which
-        the events of ``next`` name. Without ``seed`` one is drawn from
-        MLX's random state (``result.seed`` names it). A seed fixes the
-        prompt's text: the text regular decoding gives it alone, whatever
-        else the batch holds and whatever drafts it (with delta 0)."""
-        self.check_options(max_tokens, seed)
-        seed = draw_seed() if seed is None else seed
-        row = Row(next(self.uids), self.decoder.prompt_ids(prompt), max_tokens, sampling, seed)
+    def insert(self, prompt: str | Sequence[int], options: Options = DEFAULT_OPTIONS) -> int:
+        """Queue ``prompt`` (text, or token ids), to be decoded as ``options``
+        say, and return its uid, which the events of ``next`` name. Without
+        a seed one is drawn from MLX's random state (``result.seed`` names
+        it). A seed fixes the prompt's text: the text regular decoding gives
+        it alone, whatever else the batch holds and whatever drafts it (with
+        delta 0)."""
+        seed = draw_seed() if options.seed is None else options.seed
+        prompt_ids = self.decoder.prompt_ids(prompt)
+        row = Row(next(self.uids), prompt_ids, options.max_tokens, options.sampling, seed)
         self.waiting.append(row)
         return row.uid
-
-    @staticmethod
-    def check_options(max_tokens: int, seed: int | None) -> None:
-        """``ValueError`` unless ``insert`` takes ``max_tokens`` and ``seed``."""
-        if not (isinstance(max_tokens, int) and max_tokens >= 1):
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
-        if seed is not None and not is_seed(seed):
-            raise ValueError(f"seed must be {SEEDS}, got {seed!r}")
 
     def cancel(self, uid: int) -> None:
         """Stop decoding ``uid``: it leaves the queue, or its row is freed
@@ -256,16 +271,17 @@ class BatchGenerator:
             positions = [len(row.result.tokens) if row.result else 0 for row in rows]
             seeds = [row.seed for row in rows]
             noise = Noise(sampling, seeds, positions, self.decoder.model.args.vocab_size)
-        budget = None
+        num_draft, states = {}, None
         if self.drafter is not None and max(limits) > 0:
-            budget = self.draft_length.plan(rows, limits, self.drafter)
+            states = [row_state(row) for row in rows]
+            num_draft = self.draft_length.plan(states, limits, self.drafter)
         # 3. The round.
         encoded_before = self.drafter.encoding_time if self.drafter is not None else 0.0
         outcome = speculative_round(
             self.decoder.model,
             self.main_cache,
-            self.drafter if budget is not None else None,
-            budget,
+            self.drafter if any(num_draft.values()) else None,
+            num_draft,
             [row.sequence for row in rows],
             limits,
             sampling,
@@ -284,7 +300,7 @@ class BatchGenerator:
         # 5. Measure: the acceptance, for the draft length; the round's time,
         # for the encoding of prompts that join.
         if self.draft_length is not None:
-            self.draft_length.observe(rows, outcome)
+            self.draft_length.observe(states or [row_state(row) for row in rows], outcome)
         round_seconds = time.perf_counter() - tic
         # Room for encoding at most one round's time at once.
         credit = self.encoding_credit + round_seconds * ENCODING_SHARE / (1 - ENCODING_SHARE)
@@ -504,6 +520,14 @@ class BatchGenerator:
             self.prompt_progress(next(done), total)
 
         return on_layer
+
+
+def row_state(row: Row) -> RowState:
+    """What a draft-length rule is told of ``row``: a free place's stand-in,
+    or a prompt being decoded."""
+    if row.result is None:
+        return RowState(live=False)
+    return RowState(True, row.result.prompt_tokens, row.result.prompt_time, len(row.sequence))
 
 
 T = TypeVar("T")

@@ -47,16 +47,16 @@ from cpu import blas  # noqa: F401  # isort: skip
 
 import auto
 import decoder
-from loading import load_tokenizer
-from model import load_model
+from loading import load_model, load_tokenizer
 
 WARM_UP_TOKENS = 8
 
 
-def linear_costs(self, model, draft_model, prompt_lookup, prompt_ids, batch_size=1):
+def linear_costs(self, prompt_ids, batch_size=1):
     """``Auto.measure_costs`` without timing anything: the paper's round cost
     ``1 + g c``, c the draft model's multiply-adds per token over the main
     model's (lookup: free drafts, a verify pass as cheap as a step)."""
+    draft_model, model = self.draft_model, self.model
     step = draft_model.args.decode_work / model.args.decode_work if draft_model else 0.0
     costs = {"model": [1 + g * step for g in range(auto.MAX_AUTO_DRAFT + 1)]}
     costs["lookup"] = [1.0] * (auto.MAX_AUTO_DRAFT + 1)

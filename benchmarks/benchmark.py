@@ -297,11 +297,28 @@ def modes(args: argparse.Namespace) -> list[Mode]:
     return [Mode(kind, g, delta) for delta in args.delta for kind, g in drafting]
 
 
-def configure(decoder, draft_model, prompt_lookup: int, mode: Mode) -> None:
-    """Set ``decoder`` to draft as ``mode`` says."""
-    decoder.draft_model = None if mode.drafting == "prompt lookup" else draft_model
-    decoder.prompt_lookup = 0 if mode.drafting == "draft model" else prompt_lookup
+def drafting_decoders(model, draft_model, tokenizer, prompt_lookup: int) -> dict:
+    """A decoder per drafting mode, all of the same loaded models: each
+    keeps its own auto calibration, of its own draft sources."""
+    from decoder import SpeculativeDecoder
+
+    return {
+        drafting: SpeculativeDecoder(
+            model,
+            None if drafting == "prompt lookup" else draft_model,
+            tokenizer,
+            prompt_lookup=0 if drafting == "draft model" else prompt_lookup,
+        )
+        for drafting in ("draft model", "prompt lookup", "hybrid")
+    }
+
+
+def configure(decoders: dict, mode: Mode):
+    """The decoder of ``mode``'s drafting (``drafting_decoders``), set to
+    draft as ``mode`` says."""
+    decoder = decoders[mode.drafting]
     decoder.num_draft, decoder.delta = mode.num_draft, mode.delta
+    return decoder
 
 
 @dataclass
@@ -313,7 +330,7 @@ class Costs:
     bound: float  # single-token main steps per second the memory bandwidth allows
 
 
-def run_temperature(decoder, draft_model, prompts, temp, all_modes, args, costs, progress):
+def run_temperature(decoders, prompts, temp, all_modes, args, costs, progress):
     """Decode every prompt regularly and then in each mode, prompt after
     prompt: one Row per mode, and regular decoding's totals."""
     regular = dict.fromkeys(("time", "tokens", "prompt_time", "prompt_tokens"), 0)
@@ -322,13 +339,12 @@ def run_temperature(decoder, draft_model, prompts, temp, all_modes, args, costs,
     for repeat in range(args.repeats):
         for number, prompt in enumerate(prompts):
             options = {"max_tokens": args.max_tokens, "temp": temp, "seed": args.seed + number}
-            reference = decoder.generate(prompt, **options)
+            reference = decoders["draft model"].generate(prompt, **options)
             for name, value in count(reference).items():
                 if name in regular:
                     regular[name] += value
             for mode in all_modes:
-                configure(decoder, draft_model, args.prompt_lookup, mode)
-                result = decoder.speculative_decode(prompt, **options)
+                result = configure(decoders, mode).speculative_decode(prompt, **options)
                 for name, value in count(result).items():
                     totals[mode][name] += value
                 identical[mode] &= result.tokens == reference.tokens
@@ -521,9 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         import mlx.core as mx
         from tqdm import tqdm
 
-        from decoder import SpeculativeDecoder
-        from loading import check_draft_directories, load_tokenizer, resolve_model
-        from model import load_model
+        from loading import check_draft_directories, load_model, load_tokenizer, resolve_model
 
         model_path = resolve_model(args.model_name)
         draft_path = resolve_model(args.draft_model_name)
@@ -534,14 +548,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
 
-    decoder = SpeculativeDecoder(model, draft_model, tokenizer)
+    decoders = drafting_decoders(model, draft_model, tokenizer, args.prompt_lookup)
     if args.batch_sizes:
-        return run_batches(args, prompts, decoder, model_path, draft_path)
+        return run_batches(args, prompts, decoders["draft model"], model_path, draft_path)
     all_modes = modes(args)
     # Warm-up; auto measures its costs here, on its first use.
     for mode in all_modes:
-        configure(decoder, draft_model, args.prompt_lookup, mode)
-        decoder.speculative_decode(prompts[0], max_tokens=8)
+        configure(decoders, mode).speculative_decode(prompts[0], max_tokens=8)
     prompt_ids = mx.array([tokenizer(prompts[0]).input_ids])
     machine = measure_machine(model, draft_model, prompt_ids)
     costs = Costs(
@@ -555,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=total, desc="decoding", file=sys.stderr, disable=None) as progress:
         for temp in args.temp:
             temp_rows, regular[temp] = run_temperature(
-                decoder, draft_model, prompts, temp, all_modes, args, costs, progress
+                decoders, prompts, temp, all_modes, args, costs, progress
             )
             rows += temp_rows
     machine["regular"] = {
@@ -569,10 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(describe_machine(machine))
     print(format_table(rows, COLUMNS))
-    configure(decoder, draft_model, args.prompt_lookup, Mode("hybrid", "auto", 0.0))
-    round_costs = decoder.auto.measure_costs(
-        decoder.model, decoder.draft_model, decoder.prompt_lookup, prompt_ids[0].tolist()
-    )
+    round_costs = decoders["hybrid"].auto.measure_costs(prompt_ids[0].tolist())
     extra = {
         "model": str(model_path),
         "draft_model": str(draft_path),
@@ -593,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         fixed_g = [r for r in rows if r.drafting == "draft model" and r.num_draft != "auto"]
         exact = [row for row in fixed_g if row.temp == 0 and row.delta == 0]
         best = max(exact or fixed_g, key=lambda row: row.speedup).num_draft
+        decoder = decoders["draft model"]
         extra["transformers"] = compare_with_transformers(args, prompts, decoder, best)
         print(json.dumps(extra["transformers"], indent=2))
     try:

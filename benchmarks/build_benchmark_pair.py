@@ -803,8 +803,7 @@ def measure_mlx(
     (speculative greedy output equals it) and the draft model's own greedy texts.
     """
     from decoder import SpeculativeDecoder
-    from loading import load_tokenizer
-    from model import load_model
+    from loading import load_model, load_tokenizer
 
     main, draft = load_model(main_dir), load_model(draft_dir)
     tokenizer = load_tokenizer(main_dir)

@@ -321,8 +321,7 @@ def library_decoder(args):
     import cpu  # noqa: F401  # isort: skip
 
     from decoder import SpeculativeDecoder
-    from loading import load_tokenizer
-    from model import load_model
+    from loading import load_model, load_tokenizer
 
     return SpeculativeDecoder(
         load_model(args.model_name),

@@ -39,8 +39,7 @@ import convert
 from cli import POSITIVE, ArgumentParser
 from decoder import SpeculativeDecoder
 from layout import is_converted
-from loading import load_tokenizer
-from model import load_model
+from loading import load_model, load_tokenizer
 
 PRECISIONS = {
     "float32": None,

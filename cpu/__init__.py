@@ -2,7 +2,7 @@
 
 Import this package before ``mlx.core`` (every module of the project does,
 first): on Linux it puts an optimized BLAS under MLX (:mod:`cpu.blas`).
-``model.load_model`` calls :func:`prepare` on every model it loads. Where
+``loading.load_model`` calls :func:`prepare` on every model it loads. Where
 the default device is a GPU, both do nothing that changes a computation.
 What each part buys, measured: README.md in this folder.
 """

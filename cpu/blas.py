@@ -114,7 +114,7 @@ THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
 # log2 of the CPU cycles OpenBLAS's idle threads spin before they sleep: its
 # least, so that they leave the cores to MLX between products; whole calls
 # take less time than with OpenBLAS's 28, and no more than with 10 or 14
-# (docs/benchmarks.md, 2026-11-26).
+# (docs/benchmark-log.md, 2026-11-26).
 THREAD_TIMEOUT = "4"
 
 _loaded: str | None = None

@@ -26,7 +26,7 @@ def machine_cpu_seconds() -> float | None:
 # Other processes that use more than this share of a CPU while the forms are
 # timed make the timings unfit to keep: a busy process takes well over it, a
 # quiet machine well under, and forms timed beside a busy process can come
-# out otherwise than on the quiet machine (docs/benchmarks.md, 2026-11-26).
+# out otherwise than on the quiet machine (docs/benchmark-log.md, 2026-11-26).
 BUSY_SHARE = 0.25
 # /proc/stat counts in ticks (100 a second), on every CPU: what other
 # processes used can read up to about this much too high on a quiet machine.

@@ -29,7 +29,7 @@ from cpu.busy import OtherProcesses
 # ``W`` as stored, or laid out as its transpose. Which is faster depends on
 # the weight's shape and on the CPU: with few_rows.c's AVX-512 broadcast
 # kernel, weights with 256 inputs are faster transposed, without it slower
-# (cpu/README.md, docs/benchmarks.md, 2026-11-27).
+# (cpu/README.md, docs/benchmark-log.md, 2026-11-27).
 PRODUCT_FORMS = ("plain", "transposed")
 # Rows at which store_for_cpu times the forms: a decoder step of one prompt,
 # and of a batch or a verify pass.
@@ -37,7 +37,7 @@ TIMED_ROWS = (1, 8)
 # Weights smaller than this (in elements) keep the plain form: their
 # products take a few microseconds, too few to matter. The 256 x 256
 # projections of the benchmark pair's draft are timed, since transposed
-# they make its passes faster (docs/benchmarks.md, 2026-11-26).
+# they make its passes faster (docs/benchmark-log.md, 2026-11-26).
 TIMED_FORM_MIN_SIZE = 1 << 16
 # Another form replaces the plain one only when it takes at most this share
 # of its time, so that near-ties do not make two loads of a model on one

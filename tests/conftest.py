@@ -164,8 +164,7 @@ def converted_pair(tmp_path_factory, hf_pair, converted):
 @pytest.fixture(scope="session")
 def decoding_pair(converted_pair):
     """(main model, draft model, tokenizer), loaded."""
-    from loading import load_tokenizer
-    from model import load_model
+    from loading import load_model, load_tokenizer
 
     main_dir, draft_dir = converted_pair
     return load_model(main_dir), load_model(draft_dir), load_tokenizer(main_dir)

@@ -25,6 +25,7 @@ from cache import DecoderCache, KVCache, compacted_rows
 from decoder import SpeculativeDecoder
 from sampling import Sampling
 from scheduler import SORT_WINDOW, iter_rounds, longest_first
+from speculative import Options
 
 # Prompts of very different lengths (3 to about 160 tokens).
 PROMPTS = [
@@ -116,7 +117,7 @@ def test_rows_decoded_before_auto_first_drafts_equal_their_prompts_alone(early_e
     cheap_drafts(decoder, draft_cost=0.9)  # pays above 0.9 acceptance: the prior, 0.75, is far
     alone = [decoder.generate(prompt, max_tokens=MAX_NEW) for prompt in PROMPTS]
     generator = decoder.batch_generator(max_batch_size=3)
-    uids = [generator.insert(prompt, max_tokens=MAX_NEW) for prompt in PROMPTS]
+    uids = [generator.insert(prompt, Options(MAX_NEW)) for prompt in PROMPTS]
     results, first_drafted, joined_before = {}, None, set()
     for events in iter_rounds(generator):
         results.update(events)
@@ -388,9 +389,8 @@ def sample_rows(decoder, prompt=PROMPT, copies=RUNS) -> list[tuple]:
         prompts += [prompt] if i % 2 else [prompt, others[i // 2 % len(others)]]
     # A seed of its own per row: one seed would give every copy of the prompt the same text.
     generator = decoder.batch_generator(max_batch_size=16)
-    sampling = Sampling(temp=TEMP)
     uids = [
-        generator.insert(p, max_tokens=MAX_TOKENS, sampling=sampling, seed=ROW_SEEDS + i)
+        generator.insert(p, Options(MAX_TOKENS, temp=TEMP, seed=ROW_SEEDS + i))
         for i, p in enumerate(prompts)
     ]
     results = {uid: result for events in iter_rounds(generator) for uid, result in events}

@@ -47,7 +47,7 @@ if sys.argv[2] == "mlx-first":
 elif sys.argv[2] == "readme":  # the README's Python snippet, which never names blas
     from decoder import SpeculativeDecoder
     from loading import load_tokenizer
-    from model import load_model
+    from loading import load_model
 from cpu import blas
 import mlx.core as mx
 

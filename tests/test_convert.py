@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -26,15 +27,14 @@ from transformers import AutoTokenizer
 
 import convert
 from layout import LEGACY_WEIGHTS_FILE, WEIGHTS_FILE, is_converted, written_by_convert
-from loading import load_tokenizer
-from model import (
+from loading import (
     STACKED_PROJECTIONS,
-    ModelArgs,
     load_config,
     load_model,
-    parameter_bytes,
+    load_tokenizer,
     stacked_projections,
 )
+from model import ModelArgs, parameter_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERT_PY = ROOT / "convert.py"
@@ -719,14 +719,17 @@ def test_cli_converts_and_prints_a_working_command(tmp_path, hf_checkpoint):
     out = Path("mlx_models") / "tiny-t5"
     assert (tmp_path / out / "weights.safetensors").is_file()
     assert f"Saved to {out}" in result.stdout
-    commands = [line for line in result.stdout.splitlines() if "python main.py" in line]
-    assert any(f"--model-name {out}" in line for line in commands), result.stdout
-    assert any(f"--draft-model-name {out}" in line for line in commands), result.stdout
+    # From another directory, the commands name this Python and main.py where they are.
+    main_py = f"{sys.executable} {MAIN_PY}"
+    commands = [
+        line.split(": ", 1)[1].strip() for line in result.stdout.splitlines() if main_py in line
+    ]
+    assert f"{main_py} --model-name {out}" in commands, result.stdout
+    assert f"{main_py} --draft-model-name {out}" in commands, result.stdout
 
     command = next(line for line in commands if "--model-name" in line)
-    main_args = command.split("python main.py", 1)[1].split()
     run = subprocess.run(
-        [sys.executable, str(MAIN_PY), *main_args, "--regular-decode", "-m", "3", "--prompt", TEXT],
+        [*shlex.split(command), "--regular-decode", "-m", "3", "--prompt", TEXT],
         check=False,
         cwd=tmp_path,
         env=offline_env(),
@@ -782,7 +785,7 @@ def test_converted_directory_is_not_converted_again(out, tmp_path, converted, mo
     assert code != 0
     message = assert_one_line_error(err)
     assert "already converted" in message
-    assert f"python main.py --model-name {model}" in message
+    assert f"{sys.executable} {MAIN_PY} --model-name {model}" in message
     assert tree(model) == before
     assert list(tmp_path.iterdir()) == []
 
@@ -985,7 +988,7 @@ def test_a_script_that_loads_a_model_and_ends_exits_cleanly(converted):
     on this one (too rarely to test that here without many more runs).
     safetensors has no Python reader."""
     path = converted("relu_tied")
-    script = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import model; model.load_model({str(path)!r})"
+    script = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import loading; loading.load_model({str(path)!r})"
     runs = [
         subprocess.run(
             [sys.executable, "-c", script], capture_output=True, timeout=120, check=False

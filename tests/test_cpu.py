@@ -20,7 +20,7 @@ import cpu
 import cpu.attention as cpu_attention
 import model as model_module
 from cpu import blas, busy, forms
-from model import load_model
+from loading import load_model
 
 pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu, reason="the CPU backend's tuning; cpu.prepare does nothing here"

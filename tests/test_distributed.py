@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 from mlx.utils import tree_flatten
 
+import data_parallel
 import distributed
-from decoder import GenerationResult, SpeculativeDecoder
-from loading import load_tokenizer
-from model import load_model
+from decoder import SpeculativeDecoder
+from loading import load_model, load_tokenizer
+from speculative import GenerationResult
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN_PY = str(ROOT / "main.py")
@@ -201,7 +202,7 @@ def test_each_rank_holds_its_share(converted, quantized, tmp_path):
     script = f"""
 import sys; sys.path.insert(0, {str(ROOT)!r})
 import json, cpu, mlx.core as mx, distributed
-from model import load_model
+from loading import load_model
 from decoder import SpeculativeDecoder
 from loading import load_tokenizer
 group = distributed.init_group()
@@ -258,8 +259,8 @@ def test_data_parallel_equals_single_process(converted_pair, greedy_texts, tmp_p
 
 def test_balanced_shares():
     """The costliest prompt first, each to the least loaded rank; shares in input order."""
-    assert distributed.balanced_shares([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]
-    assert distributed.balanced_shares([1], 3) == [[0], [], []]
+    assert data_parallel.balanced_shares([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]
+    assert data_parallel.balanced_shares([1], 3) == [[0], [], []]
 
 
 def test_result_round_trip(decoding_pair):
@@ -281,8 +282,8 @@ def test_result_round_trip(decoding_pair):
         finished=True,
         seed=2**64 - 12345,
     )
-    row = distributed.packed(11, result, MAX_TOKENS + 1)
-    assert distributed.unpacked(row, MAX_TOKENS + 1, tokenizer) == (11, result)
+    row = data_parallel.packed(11, result, MAX_TOKENS + 1)
+    assert data_parallel.unpacked(row, MAX_TOKENS + 1, tokenizer) == (11, result)
 
 
 # --- failures ----------------------------------------------------------------
@@ -415,20 +416,20 @@ def test_data_parallel_alone_says_so(converted_pair, tmp_path):
 def test_indivisible_model_refused():
     """Heads or a feed-forward width that do not divide among the ranks, or
     quantized groups that would be cut: a one-line reason."""
-    from model import ModelArgs
+    from model import ModelArgs, check_divisible
 
     sizes = {"vocab_size": 100, "d_model": 64, "num_layers": 1, "num_decoder_layers": 1}
     args = ModelArgs(**sizes, d_kv=16, d_ff=90, num_heads=3)
     with pytest.raises(ValueError, match="its 3 attention heads do not divide by 2"):
-        distributed.check_divisible(args, 2)
+        check_divisible(args, 2)
     args.num_heads = 4
     with pytest.raises(ValueError, match="its feed-forward width 90 does not divide by 4"):
-        distributed.check_divisible(args, 4)
+        check_divisible(args, 4)
     args.d_ff = 128
-    distributed.check_divisible(args, 4)
+    check_divisible(args, 4)
     args.quantization = {"group_size": 64, "bits": 4, "mode": "affine"}
     with pytest.raises(ValueError, match="the 32 input columns .* not whole groups of 64"):
-        distributed.check_divisible(args, 2)
+        check_divisible(args, 2)
 
 
 def test_server_refuses_a_group(tmp_path):
@@ -450,7 +451,7 @@ def test_memory_check_counts_each_rank_share(converted_pair, monkeypatch):
     one process would need, less a byte, refuses the pair alone and fits
     when the main model is split in 2 (its weights and caches halved)."""
     import loading
-    from model import weights_file
+    from loading import weights_file
 
     paths = list(converted_pair)
     weights = [weights_file(path).stat().st_size for path in paths]

@@ -1,7 +1,11 @@
 """The README and docs/ link only to what exists: every relative link points
-at a file of the repository and every #anchor at a heading of its page, and
-every docs page the code names (in notes it prints) exists."""
+at a file of the repository and every #anchor at a heading of its page,
+every docs page the code names (in notes it prints) exists, and every
+`module.name` the pages name is something that module defines."""
 
+import ast
+import importlib
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -114,3 +118,80 @@ def test_copyable_commands_name_the_venvs_python():
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for number, line in enumerate(page.read_text().splitlines(), 1):
             assert not bare.search(line), f"{page.name}:{number}: {line}"
+
+
+# A code span naming something of a module of this repository: `module.name`,
+# `module.Class.method`, `cpu.forms.chosen_form`, with or without a call.
+QUALIFIED = re.compile(r"`([a-z_][a-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+)(?:\([^`]*\))?`")
+# The dated log of docs/benchmarks.md may name what is gone since.
+LOG_PAGES = {"benchmark-log.md"}
+MODULES = {path.stem for path in ROOT.glob("*.py")} | {"cpu"}
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "txt", "c", "safetensors", "npz"}
+
+
+def top_level_names(module) -> set[str]:
+    """The names ``module``'s own source defines at its top level."""
+    tree = ast.parse(Path(module.__file__).read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def defines(owner, name: str) -> bool:
+    """Whether the class ``owner`` has ``name``: an attribute, a dataclass
+    field, or one its methods set on ``self``."""
+    if hasattr(owner, name) or name in getattr(owner, "__dataclass_fields__", {}):
+        return True
+    return f"self.{name} " in inspect.getsource(owner) or f"self.{name}," in inspect.getsource(
+        owner
+    )
+
+
+def unresolved(qualified: str) -> str | None:
+    """Why ``qualified`` (``module.name...``) names nothing of the module; None if it does."""
+    parts = qualified.split(".")
+    if parts[0] not in MODULES or parts[-1] in FILE_SUFFIXES:  # main.py, model.safetensors
+        return None
+    module = importlib.import_module(parts[0])
+    index = 1
+    while index < len(parts) and inspect.ismodule(getattr(module, parts[index], None)):
+        module = getattr(module, parts[index])  # a package's module: cpu.forms
+        index += 1
+    if index == len(parts):
+        return None
+    if parts[index] not in top_level_names(module):
+        return f"{module.__name__} defines no {parts[index]}"
+    owner = getattr(module, parts[index])
+    for name in parts[index + 1 :]:
+        if not inspect.isclass(owner) or not defines(owner, name):
+            return f"{qualified}: no {name}"
+        owner = getattr(owner, name, None)
+    return None
+
+
+@pytest.mark.parametrize(
+    "page",
+    [page for page in PAGES if page.name not in LOG_PAGES],
+    ids=lambda page: str(page.relative_to(ROOT)),
+)
+def test_names_in_code_spans_are_what_their_modules_define(page):
+    """Every `module.name` of the README and the reference pages names
+    something that module defines (not one it imports), as the code stands."""
+    text = page.read_text()
+    problems = {problem for name in QUALIFIED.findall(text) if (problem := unresolved(name))}
+    assert not problems, sorted(problems)
+
+
+def test_the_name_check_catches_what_moved():
+    assert unresolved("speculative.speculative_round") is None
+    assert unresolved("decoder.SpeculativeDecoder.stream") is None
+    assert unresolved("cpu.forms.chosen_form") is None
+    assert unresolved("decoder.speculative_round") == "decoder defines no speculative_round"
+    assert unresolved("model.DecoderCache") == "model defines no DecoderCache"  # imported there
+    assert unresolved("decoder.SpeculativeDecoder.no_such") is not None

@@ -8,6 +8,7 @@ from fixtures import auto_costs, cheap_drafts, linear_round_costs
 from auto import (
     CALIBRATION_PROMPT_TOKENS,
     MAX_AUTO_DRAFT,
+    Auto,
     AutoDraftLength,
     best_num_draft,
     draft_start_cost,
@@ -17,8 +18,10 @@ from auto import (
 )
 from cache import compacted_rows
 from decoder import SpeculativeDecoder
-from drafting import FixedDraftLength, ModelDrafter, find_continuation
+from drafting import FixedDraftLength, ModelDrafter, RowState, find_continuation
 from sampling import RowSampling, Sampling
+from scheduler import row_state
+from speculative import Options
 
 PROMPTS = [
     "restore: the house is small and the garden is green behind the old wall.",
@@ -149,15 +152,24 @@ def test_starting_the_lazy_draft_model_is_weighed_until_it_starts(decoding_pair)
     decoder.auto.plain_step_seconds[2] = 0.010  # as if calibrated at 2 rows
     generator = decoder.batch_generator(max_batch_size=2)
     for prompt in PROMPTS[:2]:
-        generator.insert(prompt, max_tokens=MAX_TOKENS)
+        generator.insert(prompt, Options(MAX_TOKENS))
     generator._admit()  # the prompts join, as a round starts
     assert generator.drafter.start_pending  # lazy: not started
     live, limits = list(generator.rows), [MAX_TOKENS - 1] * 2
-    start = generator.draft_length.start
+    rule = generator.draft_length
+    start, choose, weighed = rule.start, rule.choose, []
+
+    def recording(source: str, batch_size: int = 1, start_cost: float = 0.0) -> int:
+        weighed.append(start_cost)
+        return choose(source, batch_size, start_cost)
+
+    rule.choose = recording
 
     def start_cost() -> float:
         """The start cost the rule weighs in the next round's choice."""
-        return generator.draft_length.plan(live, limits, generator.drafter).keywords["start_cost"]
+        weighed.clear()
+        rule.plan([row_state(row) for row in live], limits, generator.drafter)
+        return weighed[0]
 
     # The draft model's work at the main model's prompt seconds per
     # multiply-add: encoding the prompts, then catching up on each row's
@@ -200,7 +212,7 @@ def test_auto_draft_length_follows_acceptance():
         length.update("lookup", 6, 6)  # every one accepted
     assert length.choose("model") == 1
     assert length.choose("lookup") == 16
-    assert FixedDraftLength(3).plan([], [3], None)("model") == 3
+    assert FixedDraftLength(3).plan([], [3], None) == {"model": 3, "lookup": 3}
 
 
 def test_auto_weighs_the_costs_of_the_rounds_rows():
@@ -212,15 +224,15 @@ def test_auto_weighs_the_costs_of_the_rounds_rows():
     assert [length.choose("model", batch_size=n) for n in (2, 8, 16)] == [0, 0, 0]
     assert length.choose("lookup", batch_size=8) == 16
     # The round's plan weighs its own rows (places, free ones included).
-    assert length.plan([None], [5], None)("model") == 5
-    assert length.plan([None] * 2, [5, 0], None)("model") == 0
+    assert length.plan([RowState(True)], [5], None)["model"] == 5
+    assert length.plan([RowState(True), RowState(False)], [5, 0], None)["model"] == 0
 
 
 def test_a_batchs_acceptance_counts_every_rows_tested_draft_tokens(decoding_pair):
     decoder = SpeculativeDecoder(*decoding_pair, num_draft="auto")
     cheap_drafts(decoder)
     generator = decoder.batch_generator(max_batch_size=2)
-    uids = [generator.insert(prompt, max_tokens=MAX_TOKENS) for prompt in PROMPTS]
+    uids = [generator.insert(prompt, Options(MAX_TOKENS)) for prompt in PROMPTS]
     results = {}
     while len(generator):
         results.update(generator.next())
@@ -264,12 +276,12 @@ def test_a_lazy_model_drafter_encodes_its_rows_prompts_when_it_first_drafts(deco
     # A row that made plain steps before: the draft cache catches up.
     sequences = [[start, 5, 7], [start]]
     greedy = RowSampling([Sampling()] * 2)
-    drafts = [drafter.propose(sequences, greedy, lambda source: 3, [3, 3]) for drafter in drafters]
+    drafts = [drafter.propose(sequences, greedy, {"model": 3}, [3, 3]) for drafter in drafters]
     assert lazy.cache is not None and lazy.encoding_time > 0.0 == eager.encoding_time
     assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist()
     # Differently ordered prompts would draft otherwise.
     wrong = ModelDrafter(draft_model, [prompts[1], prompts[0]])
-    assert wrong.propose(sequences, greedy, lambda source: 3, [3, 3]).tokens.tolist() != (
+    assert wrong.propose(sequences, greedy, {"model": 3}, [3, 3]).tokens.tolist() != (
         drafts[0].tokens.tolist()
     )
     # Started, it drafts as the eager drafter does for rows that join later.
@@ -279,7 +291,7 @@ def test_a_lazy_model_drafter_encodes_its_rows_prompts_when_it_first_drafts(deco
     first_draft_token = drafts[0].tokens.tolist()[0][0]
     # Row 1 accepted its first draft token, then made a plain step.
     sequences = [[start, 4], [start, 5, 7, first_draft_token, 9]]
-    drafts = [drafter.propose(sequences, greedy, lambda source: 2, [2, 2]) for drafter in drafters]
+    drafts = [drafter.propose(sequences, greedy, {"model": 2}, [2, 2]) for drafter in drafters]
     assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist()
 
 
@@ -357,10 +369,7 @@ def test_auto_times_the_rounds_of_each_draft_source(decoding_pair):
         ]
     }
     costs = {
-        drafting: decoder.auto.measure_costs(
-            decoder.model, decoder.draft_model, decoder.prompt_lookup, prompt_ids
-        )
-        for drafting, decoder in decoders.items()
+        drafting: decoder.auto.measure_costs(prompt_ids) for drafting, decoder in decoders.items()
     }
     assert {drafting: sorted(c) for drafting, c in costs.items()} == {
         "draft model": ["model"],
@@ -400,9 +409,9 @@ def test_calibration_costs_the_same_for_any_prompt(decoding_pair):
     of a prompt, however long."""
     model, _, tokenizer = decoding_pair
     recording = RecordingPasses(model)
-    decoder = SpeculativeDecoder(model, None, tokenizer, num_draft="auto", prompt_lookup=2)
+    auto = Auto(recording, None, prompt_lookup=2)
     long_prompt = tokenizer(PROMPTS[0]).input_ids * 20
-    decoder.auto.measure_costs(recording, None, 2, long_prompt)
+    auto.measure_costs(long_prompt)
     assert recording.encoded == [CALIBRATION_PROMPT_TOKENS] < [len(long_prompt)]
 
 

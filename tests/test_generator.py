@@ -24,6 +24,7 @@ from decoder import SpeculativeDecoder
 from model import encoder_passes
 from sampling import RowSampling, Sampling
 from scheduler import HOLD_FREE_ROWS
+from speculative import Options
 
 MAX_NEW = 12
 SAMPLED = Sampling(temp=0.8)
@@ -111,10 +112,10 @@ def test_greedy_rows_among_sampled_rows_are_greedy(decoding_pair):
     greedy, sampled = {}, {}
     for i, prompt in enumerate(PROMPTS[:8]):
         if i % 2:
-            greedy[generator.insert(prompt, max_tokens=MAX_NEW)] = prompt
+            greedy[generator.insert(prompt, Options(MAX_NEW))] = prompt
         else:
             # Seeded: unseeded, whether a row drew a rejection varied run to run.
-            uid = generator.insert(prompt, max_tokens=MAX_NEW, sampling=Sampling(1.5), seed=i)
+            uid = generator.insert(prompt, Options(MAX_NEW, temp=1.5, seed=i))
             sampled[uid] = prompt
     results = drain(generator)
     for uid, prompt in greedy.items():
@@ -130,12 +131,12 @@ def test_prompts_join_and_leave_a_running_batch(decoding_pair):
     is freed."""
     decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
     generator = decoder.batch_generator(max_batch_size=3)
-    prompts = {generator.insert(p, max_tokens=MAX_NEW): p for p in PROMPTS[:2]}
+    prompts = {generator.insert(p, Options(MAX_NEW)): p for p in PROMPTS[:2]}
     last = {}
     for uid, result in generator.next():
         last[uid] = result
-    cancelled = generator.insert(PROMPTS[2], max_tokens=MAX_NEW)
-    prompts |= {generator.insert(p, max_tokens=MAX_NEW): p for p in PROMPTS[3:6]}
+    cancelled = generator.insert(PROMPTS[2], Options(MAX_NEW))
+    prompts |= {generator.insert(p, Options(MAX_NEW)): p for p in PROMPTS[3:6]}
     generator.next()  # the cancelled prompt joined the batch
     assert any(row is not None and row.uid == cancelled for row in generator.rows)
     before = len(generator)
@@ -161,13 +162,13 @@ def test_a_freed_place_is_taken_in_place_then_dropped(decoding_pair):
     generator = decoder.batch_generator(speculative=False, max_batch_size=3)
     lasting = sorted(PROMPTS[1:], key=lambda p: len(decoder.generate(p, max_tokens=MAX_NEW).tokens))
     assert len(decoder.generate(lasting[-2], max_tokens=MAX_NEW).tokens) > 3 + HOLD_FREE_ROWS
-    prompts = {generator.insert(PROMPTS[0], max_tokens=1): (PROMPTS[0], 1)}
-    prompts |= {generator.insert(p, max_tokens=MAX_NEW): (p, MAX_NEW) for p in lasting[-2:]}
+    prompts = {generator.insert(PROMPTS[0], Options(1)): (PROMPTS[0], 1)}
+    prompts |= {generator.insert(p, Options(MAX_NEW)): (p, MAX_NEW) for p in lasting[-2:]}
     last = dict(generator.next())  # the one-token prompt finished
     last |= dict(generator.next())  # a round with nothing waiting
     (place,) = [i for i, row in enumerate(generator.rows) if row is None]
     assert len(generator.rows) == 3
-    joined = generator.insert(PROMPTS[0], max_tokens=MAX_NEW)
+    joined = generator.insert(PROMPTS[0], Options(MAX_NEW))
     last |= dict(generator.next())
     assert generator.rows[place].uid == joined and len(generator.rows) == 3
     generator.cancel(joined)
@@ -193,10 +194,12 @@ def test_a_rows_samples_follow_the_main_model_among_other_settings(decoding_pair
     mx.random.seed(0)
     mine = []
     for i in range(RUNS):
-        mine.append(generator.insert(PROMPT, max_tokens=MAX_TOKENS, sampling=Sampling(TEMP)))
+        mine.append(generator.insert(PROMPT, Options(MAX_TOKENS, temp=TEMP)))
         if i % 2:
             setting = others[i // 2 % len(others)]
-            generator.insert(PROMPTS[i % 5], max_tokens=MAX_TOKENS, sampling=setting)
+            generator.insert(
+                PROMPTS[i % 5], Options(MAX_TOKENS, setting.temp, setting.top_p, setting.top_k)
+            )
     results = drain(generator)
     counts = Counter(tuple(results[uid].tokens[:2]) for uid in mine)
     prompt_ids = mx.array([tokenizer(PROMPT).input_ids])
@@ -237,7 +240,7 @@ def test_auto_counts_its_draft_models_encoding_as_prompt_time(decoding_pair):
     decoder.auto.measure_costs = lambda *args, **kwargs: auto_costs(0.1)  # drafting pays
     generator = decoder.batch_generator(max_batch_size=2)
     for prompt in PROMPTS[:2]:
-        generator.insert(prompt, max_tokens=MAX_NEW)
+        generator.insert(prompt, Options(MAX_NEW))
     events = generator.next()
     assert all(result.n_draft > 0 for _, result in events)  # the first round drafted
     assert all(result.prompt_time > delay / 2 for _, result in events)
@@ -305,9 +308,9 @@ def test_a_short_prompt_decodes_while_a_long_one_encodes(decoding_pair, monkeypa
     monkeypatch.setattr(model_module, "ENCODER_SLICE_WORK", 16 * (4 * projection + feed_forward))
     monkeypatch.setattr(scheduler, "IDLE_ENCODING_SECONDS", 0.0)
     generator = decoder.batch_generator(max_batch_size=4, interleave_encoding=True)
-    long_uid = generator.insert(long_prompt, max_tokens=MAX_NEW)
+    long_uid = generator.insert(long_prompt, Options(MAX_NEW))
     assert generator.next() == [] and len(generator.encodings) == 1  # one slice of it
-    short_uid = generator.insert(PROMPTS[0], max_tokens=MAX_NEW)
+    short_uid = generator.insert(PROMPTS[0], Options(MAX_NEW))
     last, short_rounds = {}, 0
     while short_uid not in last or not last[short_uid].finished:
         events = dict(generator.next())

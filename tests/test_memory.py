@@ -10,8 +10,7 @@ import pytest
 
 import model as model_module
 from decoder import SpeculativeDecoder
-from loading import load_tokenizer, runtime_bytes
-from model import load_model
+from loading import load_model, load_tokenizer, runtime_bytes
 
 # The decoding tests' main model (4 heads, gated, d_ff 64), and two with
 # one head and a wide feed-forward block, whose peak at short prompts is

@@ -15,7 +15,8 @@ from transformers.models.t5.modeling_t5 import T5Attention
 
 import model as model_module
 from cpu.attention import SOFTMAX_CPU_MIN_SCORES
-from model import load_model, relative_position_bucket
+from loading import load_model
+from model import relative_position_bucket
 
 PARITY_CONFIGS = ["relu_tied", "gated_untied", "deep_decoder", "wide_heads"]
 

@@ -23,8 +23,8 @@ from test_model import random_ids
 
 import convert
 from decoder import SpeculativeDecoder
-from loading import check_draft_directories, load_tokenizer
-from model import T5, ModelArgs, load_config, load_model, quantizable_layers
+from loading import check_draft_directories, load_config, load_model, load_tokenizer
+from model import T5, ModelArgs, quantizable_layers
 
 # (bits, group size, mode) of the parity tests.
 SETTINGS = [(8, 32, "affine"), (8, 64, "affine"), (4, 32, "affine"), (4, 64, "affine")]

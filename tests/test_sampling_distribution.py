@@ -18,7 +18,7 @@ import pytest
 from fixtures import cheap_drafts
 from scipy.stats import chisquare
 
-import decoder as decoder_module
+import speculative
 from decoder import SpeculativeDecoder
 from sampling import Sampling
 
@@ -138,8 +138,8 @@ def test_regular_samples_follow_the_main_model(setting, sampling):
 
 
 def miswritten_verify(rule: str):
-    """``decoder.verify`` with one deliberate mistake, for the power checks."""
-    correct = decoder_module.verify
+    """``speculative.verify`` (the round's ``sampling.verify``) with one deliberate mistake, for the power checks."""
+    correct = speculative.verify
 
     def verify(draft_tokens, main_logits, sampling, delta, draft_lengths=None, noise=None):
         if draft_tokens.shape[1] == 0:  # no draft tokens: nothing to get wrong
@@ -164,7 +164,7 @@ def miswritten_verify(rule: str):
 def test_the_check_catches_a_wrong_rule(setting, rule, monkeypatch):
     decoder, prompt_ids = setting
     sampling = Sampling(temp=TEMP)
-    monkeypatch.setattr(decoder_module, "verify", miswritten_verify(rule))
+    monkeypatch.setattr(speculative, "verify", miswritten_verify(rule))
     counts = sample_outputs(decoder, sampling, runs=POWER_RUNS)
     distribution = exact_distribution(decoder.model, prompt_ids, sampling)
     assert chi_square_p_value(counts, distribution) < 1e-4
@@ -244,7 +244,7 @@ def test_prompt_lookup_samples_follow_the_main_model(lookup_setting, sampling):
 def test_the_check_catches_a_wrong_rule_for_lookup_drafts(lookup_setting, rule, monkeypatch):
     decoder, prompt = lookup_setting
     sampling = Sampling(temp=TEMP)
-    monkeypatch.setattr(decoder_module, "verify", miswritten_verify(rule))
+    monkeypatch.setattr(speculative, "verify", miswritten_verify(rule))
     counts = sample_outputs(decoder, sampling, prompt, runs=POWER_RUNS)
     distribution = exact_distribution(decoder.model, mx.array([prompt]), sampling)
     assert chi_square_p_value(counts, distribution) < 1e-4

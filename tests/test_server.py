@@ -579,16 +579,6 @@ def test_the_draft_stats_add_up(server):
     assert any(counts["ignored_draft_tokens_count"] for counts in stats)  # not vacuous
 
 
-def test_held_back_is_what_may_still_become_a_stop_string():
-    from server import held_back
-
-    assert held_back("the end of it", ["STOP"]) == 0
-    assert held_back("the end ST", ["STOP"]) == 2
-    assert held_back("the end S", ["xx", "STOP"]) == 1
-    assert held_back("aaa", ["aaaa"]) == 3
-    assert held_back("abc", []) == 0
-
-
 def test_a_stop_string_that_never_comes_holds_nothing_back(server):
     """As many chunks with a long stop string that never appears as without."""
     body = {"prompt": PROMPTS[2], "max_tokens": 40}
@@ -709,8 +699,8 @@ def test_the_default_prompt_limit_bounds_what_a_prompt_costs_others():
     the decoding step's other work (so the rows beside it keep about half
     their speed): the benchmark pair's main model's shape, 2,862 tokens; a
     small model's, never below COST_LIMIT_FLOOR."""
+    from loading import COST_LIMIT_FLOOR, cost_token_limit
     from model import ModelArgs
-    from server import COST_LIMIT_FLOOR, cost_token_limit
 
     args = ModelArgs(3000, 256, 64, 8192, 8, 8, 16)
     limit = cost_token_limit(args)
@@ -721,7 +711,7 @@ def test_the_default_prompt_limit_bounds_what_a_prompt_costs_others():
 
 
 def test_auto_measures_a_servers_costs_at_each_power_of_two_and_its_largest_batch():
-    from server import cost_batch_sizes
+    from engine import cost_batch_sizes
 
     assert cost_batch_sizes(1) == [1]
     assert cost_batch_sizes(8) == [1, 2, 4, 8]
