@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,17 @@ def silence_other_ranks(group: mx.distributed.Group | None) -> None:
 GROUP_BROKEN = "another process of the group ended or failed (see its error); this one stops too"
 
 
+# What a rank says when SIGTERM stopped it.
+TERMINATED = (
+    "stopped by SIGTERM (sent by a user, or by mlx.launch once another process of the "
+    "group has ended)"
+)
+# Seconds a rank that SIGTERM stopped has to write its lines and end before
+# a watching thread ends it: its main thread can be stuck in a sum whose
+# peer has gone, where no Python code runs (docs/distributed.md#failures).
+TERMINATE_GRACE = 5.0
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM reached a rank: ``mlx.launch`` sends it to every rank once
     one has ended with an error (or a user did). A ``KeyboardInterrupt``,
@@ -120,10 +132,33 @@ class Terminated(KeyboardInterrupt):
 
 
 def raise_terminated(signum: int, frame) -> None:
-    raise Terminated(
-        "stopped by SIGTERM (sent by a user, or by mlx.launch once another process of the "
-        "group has ended)"
-    )
+    raise Terminated(TERMINATED)
+
+
+def end_on_sigterm(group: mx.distributed.Group) -> None:
+    """SIGTERM raises ``Terminated`` in the main thread, which ends the
+    process once it has written its lines (``failures_end_group``). A
+    main thread stuck in MLX runs no Python code, so a thread woken by the
+    same signal ends the process ``TERMINATE_GRACE`` seconds later, with
+    the same line, if it is still running."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end)  # the signal's number, written even while Python waits
+    signal.signal(signal.SIGTERM, raise_terminated)
+
+    def watch() -> None:
+        while os.read(read_end, 1) != bytes([signal.SIGTERM]):
+            pass  # another signal (Ctrl-C): the main thread handles it
+        time.sleep(TERMINATE_GRACE)
+        print(f"error: {rank_named(group)}{TERMINATED}", file=_error_file, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="sigterm", daemon=True).start()
+
+
+def rank_named(group: mx.distributed.Group) -> str:
+    """How this rank's lines start: "rank R of N: ", nothing for rank 0."""
+    return f"rank {group.rank()} of {group.size()}: " if group.rank() else ""
 
 
 @contextlib.contextmanager
@@ -137,17 +172,16 @@ def failures_end_group(group: mx.distributed.Group | None) -> Iterator[None]:
     if group is None:
         yield
         return
-    signal.signal(signal.SIGTERM, raise_terminated)
+    end_on_sigterm(group)
     try:
         yield
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - any failure ends the group
         reason = " ".join(str(error).split()) or type(error).__name__
         if "connection to a peer was lost" in reason:  # the ring backend's words
             reason = f"{GROUP_BROKEN} ({reason})"
-        rank = f"rank {group.rank()} of {group.size()}: " if group.rank() else ""
         with contextlib.suppress(OSError):  # a reader of standard output that left
             sys.stdout.flush()
-        print(f"error: {rank}{reason}", file=_error_file, flush=True)
+        print(f"error: {rank_named(group)}{reason}", file=_error_file, flush=True)
         os._exit(1)
 
 

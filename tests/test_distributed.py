@@ -364,7 +364,9 @@ def test_rank_terminated_under_mlx_launch(converted_pair, tmp_path):
     writes its summary of what finished and its own ``error:`` line."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS * 40) + "\n")
-    command = main_args(converted_pair, "--prompts", str(prompts), "-m", "200", "--batch-size", "1")
+    # Data parallel: the ranks sum between rounds, where a lost peer is an
+    # error, never inside a pass (see test_sigterm_ends_a_rank_stuck_in_mlx).
+    command = main_args(converted_pair, "--prompts", str(prompts), "-m", "200", "--data-parallel")
     launcher = subprocess.Popen(
         [
             str(Path(sys.executable).with_name("mlx.launch")),
@@ -393,6 +395,49 @@ def test_rank_terminated_under_mlx_launch(converted_pair, tmp_path):
     assert any(not line.startswith("error: rank") for line in errors), stderr
     assert re.search(r"Prompts: \d+ of 200 finished", stderr), stderr
     assert stdout.strip(), "rank 0's finished lines"
+
+
+STUCK_RANK = """
+import ctypes, sys
+sys.path.insert(0, {root!r})
+import distributed
+
+class Group:  # rank 1 of 2, as far as the failure lines go
+    def rank(self): return 1
+    def size(self): return 2
+
+libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)  # zeros: a plain mutex
+with distributed.failures_end_group(Group()):
+    libc.pthread_mutex_lock(mutex)
+    print("stuck", flush=True)
+    # Locked again: waits in C for ever, running no signal handler, as MLX
+    # can wait on a sum whose peer has gone.
+    libc.pthread_mutex_lock(mutex)
+"""
+
+
+def test_sigterm_ends_a_rank_stuck_in_mlx(tmp_path):
+    """A rank whose main thread waits in native code (as in a sum whose
+    peer has gone) still ends after SIGTERM: TERMINATE_GRACE seconds later,
+    with its line, status 1."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", STUCK_RANK.format(root=str(ROOT))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout.readline() == "stuck\n"
+        time.sleep(0.5)  # into the native wait
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, stderr = process.communicate(timeout=distributed.TERMINATE_GRACE + FAILURE_SECONDS)
+        waited = time.monotonic() - sent
+    finally:
+        stop([process])
+    assert process.returncode == 1
+    assert stderr == f"error: rank 1 of 2: {distributed.TERMINATED}\n"
+    assert waited >= distributed.TERMINATE_GRACE
 
 
 def test_data_parallel_alone_says_so(converted_pair, tmp_path):
