@@ -257,6 +257,29 @@ def test_data_parallel_equals_single_process(converted_pair, greedy_texts, tmp_p
     assert_silent(second)
 
 
+PLAN_SCRIPT = """
+import json, sys
+sys.path.insert(0, {root!r})
+import distributed
+from drafting import FixedDraftLength, RowState
+
+group = distributed.init_group()
+# Each rank's own rule would draft another number of tokens.
+rule = distributed.RankZeroDraftLength(FixedDraftLength(3 + 4 * group.rank()), group)
+print(json.dumps([rule.plan([RowState(True)], [9], None) for _ in range(2)]))
+"""
+
+
+def test_every_rank_takes_rank_zeros_plan(tmp_path):
+    """In a group, a round's draft lengths are rank 0's plan, on every rank
+    (one sum per round), whatever each rank's own rule says."""
+    command = ["-c", PLAN_SCRIPT.format(root=str(ROOT))]
+    results = run_group([command, command], tmp_path)
+    plans = [json.loads(result.stdout) for result in results]
+    assert all(result.returncode == 0 for result in results), [r.stderr for r in results]
+    assert plans[0] == plans[1] == [{"model": 3, "lookup": 3}] * 2
+
+
 def test_balanced_shares():
     """The costliest prompt first, each to the least loaded rank; shares in input order."""
     assert data_parallel.balanced_shares([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]
