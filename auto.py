@@ -18,7 +18,6 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,12 +26,9 @@ import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from cache import DecoderCache
-from drafting import DRAFT_SOURCES, Drafter, ModelDrafter, RowState
+from drafting import DRAFT_SOURCES, Drafter, ModelDrafter, RowState, Tested
 from model import T5, ModelArgs
 from sampling import RowSampling, Sampling
-
-if TYPE_CHECKING:
-    from speculative import RoundOutcome
 
 # The most draft tokens "auto" proposes per round.
 MAX_AUTO_DRAFT = 16
@@ -198,7 +194,7 @@ class AutoDraftLength:
             for source in DRAFT_SOURCES
         }
 
-    def observe(self, rows: list[RowState], outcome: RoundOutcome) -> None:
+    def observe(self, rows: list[RowState], outcome: Tested) -> None:
         """What a round over ``rows`` gave: the draft tokens each live row
         had tested and accepted."""
         draft = outcome.draft

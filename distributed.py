@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from drafting import Drafter, DraftLength, RowState
-    from speculative import RoundOutcome
+    from drafting import Drafter, DraftLength, RowState, Tested
 
 # Environment variables that mark a process started in a group: mlx.launch
 # sets MLX_RANK (ring and JACCL backends), mpirun OMPI_COMM_WORLD_SIZE,
@@ -217,7 +216,7 @@ class RankZeroDraftLength:
         shared = mx.distributed.all_sum(mx.array(mine, mx.int32), group=self.group, stream=mx.cpu)
         return dict(zip(plan, shared.tolist()))
 
-    def observe(self, rows: list[RowState], outcome: RoundOutcome) -> None:
+    def observe(self, rows: list[RowState], outcome: Tested) -> None:
         self.draft_length.observe(rows, outcome)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -32,9 +32,6 @@ import mlx.core as mx
 from cache import DecoderCache
 from model import T5, ModelArgs
 from sampling import Noise, RowSampling
-
-if TYPE_CHECKING:
-    from speculative import RoundOutcome
 
 # Where draft tokens come from: a draft model, or prompt lookup.
 DRAFT_SOURCES = ("model", "lookup")
@@ -136,6 +133,16 @@ class RowState:
     tokens: int = 0
 
 
+class Tested(Protocol):
+    """What a round tested, per row, as a draft-length rule reads it
+    (``speculative.RoundOutcome`` is one): the draft, how many of each
+    row's draft tokens were accepted, and whether one was rejected."""
+
+    draft: Draft
+    accepted: list[int]
+    rejected: list[bool]
+
+
 class DraftLength(Protocol):
     """How many tokens the rounds of a batch draft: asked before every round
     (``plan``), told what the round gave (``observe``). ``FixedDraftLength``
@@ -148,7 +155,7 @@ class DraftLength(Protocol):
         ``limits[i]`` for row i) from each of ``DRAFT_SOURCES`` (0 from
         every source: a plain step)."""
 
-    def observe(self, rows: list[RowState], outcome: RoundOutcome) -> None:
+    def observe(self, rows: list[RowState], outcome: Tested) -> None:
         """What the round over ``rows`` gave."""
 
 
@@ -162,7 +169,7 @@ class FixedDraftLength:
     def plan(self, rows: list[RowState], limits: list[int], drafter: Drafter) -> dict[str, int]:
         return dict.fromkeys(DRAFT_SOURCES, self.num_draft)
 
-    def observe(self, rows: list[RowState], outcome: RoundOutcome) -> None:
+    def observe(self, rows: list[RowState], outcome: Tested) -> None:
         pass
 
 
