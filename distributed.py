@@ -7,16 +7,20 @@ calls) or spreads a file of prompts over them (``data_parallel.py``). Here
 is what every group needs: starting it (``init_group``), ending it when one
 process fails (``failures_end_group``), one writer (``silence_other_ranks``),
 and rank 0's values where the ranks would otherwise differ: every decision
-that depends on timing (the CPU's product forms, auto's draft lengths) is
-rank 0's, shared with a sum in which every other rank adds 0
-(``rank_zero_value``). docs/distributed.md tells how to run a group.
+that depends on timing (the CPU's product forms, auto's draft lengths) or
+on the world (a server's requests: ``RankZeroDecisions``) is rank 0's,
+shared with a sum in which every other rank adds 0 (``rank_zero_value``).
+docs/distributed.md tells how to run a group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
+import socket
+import stat
 import sys
 import threading
 import time
@@ -110,6 +114,9 @@ def silence_other_ranks(group: mx.distributed.Group | None) -> None:
 
 # What a rank says when another one ended while it waited on their sum.
 GROUP_BROKEN = "another process of the group ended or failed (see its error); this one stops too"
+# How MLX's ring backend says so, and PeerWatch.
+PEER_LOST = "connection to a peer was lost"
+PEER_CLOSED = f"{PEER_LOST}: the peer closed it"
 
 
 # What a rank says when SIGTERM stopped it.
@@ -149,10 +156,25 @@ def end_on_sigterm(group: mx.distributed.Group) -> None:
         while os.read(read_end, 1) != bytes([signal.SIGTERM]):
             pass  # another signal (Ctrl-C): the main thread handles it
         time.sleep(TERMINATE_GRACE)
-        print(f"error: {rank_named(group)}{TERMINATED}", file=_error_file, flush=True)
-        os._exit(1)
+        end_now(group, TERMINATED)
 
     threading.Thread(target=watch, name="sigterm", daemon=True).start()
+
+
+def group_failure(reason: str, group: mx.distributed.Group) -> str:
+    """What rank 0 says when a sum failed with ``reason``: the rank it lost,
+    where a peer went (the ring backend's words, or ``PeerWatch``)."""
+    if PEER_LOST not in reason:
+        return reason
+    size = group.size()
+    lost = "rank 1 of 2" if size == 2 else f"one of ranks 1 to {size - 1}"
+    return f"{lost} ended or failed (see its error); rank 0 stops too ({reason})"
+
+
+def end_now(group: mx.distributed.Group, reason: str) -> None:
+    """End this process at once, from any thread, with its one line."""
+    print(f"error: {rank_named(group)}{reason}", file=_error_file, flush=True)
+    os._exit(1)
 
 
 def rank_named(group: mx.distributed.Group) -> str:
@@ -176,7 +198,7 @@ def failures_end_group(group: mx.distributed.Group | None) -> Iterator[None]:
         yield
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - any failure ends the group
         reason = " ".join(str(error).split()) or type(error).__name__
-        if "connection to a peer was lost" in reason:  # the ring backend's words
+        if PEER_LOST in reason:
             reason = f"{GROUP_BROKEN} ({reason})"
         with contextlib.suppress(OSError):  # a reader of standard output that left
             sys.stdout.flush()
@@ -225,3 +247,113 @@ def shared_draft_length(
 ) -> DraftLength | RankZeroDraftLength:
     """``draft_length``, its plans rank 0's in a ``group`` (None: as it is)."""
     return draft_length if group is None else RankZeroDraftLength(draft_length, group)
+
+
+# Seconds an idle serving group waits between exchanges (RankZeroDecisions):
+# a rank waiting in a sum spins its core (MLX's ring backend polls), so the
+# ranks meet at this pace, sleeping between, instead of waiting in a sum;
+# a request to an idle group waits at most this long to start.
+IDLE_TICK_SECONDS = 0.05
+
+
+class RankZeroDecisions:
+    """Rank 0's decisions, on every rank, once per round: a server's rank 0
+    alone hears the requests, so it decides what joins and leaves the batch
+    and every rank carries out its decisions, in the same order. One sum of
+    a header (the decisions' size, a stop, and each rank's own state in its
+    place), and a second of the decisions (pickled) when there are any."""
+
+    HEADER = 2  # the decisions' bytes, stop; then one place per rank
+
+    def __init__(self, group: mx.distributed.Group, watch: PeerWatch | None = None):
+        self.group, self.watch = group, watch  # watch: ended once rank 0 says stop
+        self.rank_bytes = [0] * group.size()  # each rank's MLX memory in use, at the last exchange
+        self.exchanged = time.monotonic()
+
+    def share(self, decisions: list | None = None, stop: bool = False) -> tuple[list, bool]:
+        """Rank 0's ``decisions`` and ``stop`` (other ranks pass neither)."""
+        import mlx.core as mx
+
+        rank, size = self.group.rank(), self.group.size()
+        payload = pickle.dumps(decisions) if rank == 0 and decisions else b""
+        header = [0] * (self.HEADER + size)
+        if rank == 0:
+            header[:2] = [len(payload), int(stop)]
+            if stop and self.watch is not None:  # the other ranks end now, on purpose
+                self.watch.expect_end()
+        header[self.HEADER + rank] = mx.get_active_memory() >> 10  # KiB: an int32 holds 2 TiB
+        header = self.sum(mx.array(header, mx.int32)).tolist()
+        self.rank_bytes = [kib << 10 for kib in header[self.HEADER :]]
+        self.exchanged = time.monotonic()
+        length, stop = header[0], bool(header[1])
+        if stop and self.watch is not None:
+            self.watch.expect_end()
+        if not length:
+            return [], stop
+        mine = mx.array(list(payload) if rank == 0 else [0] * length, mx.uint8)
+        return pickle.loads(bytes(self.sum(mine).tolist())), stop
+
+    def sum(self, values: mx.array) -> mx.array:
+        import mlx.core as mx
+
+        return mx.distributed.all_sum(values, group=self.group, stream=mx.cpu)
+
+    def idle(self) -> None:
+        """Wait as rank 0 waits for a request when nothing decodes (every
+        rank but 0)."""
+        time.sleep(IDLE_TICK_SECONDS)
+
+
+# Seconds between looks at the group's connections (PeerWatch).
+PEER_WATCH_SECONDS = 0.2
+
+
+def group_connections() -> list[socket.socket]:
+    """The TCP connections this process holds: called right after
+    ``init_group``, before anything else opens one, the group's own (MLX's
+    ring backend connects each rank to its neighbours over TCP)."""
+    connections = []
+    for name in os.listdir("/dev/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                connection = socket.socket(fileno=os.dup(int(name)))
+                if connection.type == socket.SOCK_STREAM and connection.getpeername():
+                    connections.append(connection)
+                else:
+                    connection.detach()
+    return connections
+
+
+class PeerWatch:
+    """Calls ``on_lost()`` once, from a thread of its own, when a peer of
+    the group has closed a connection to this process: it ended (killed,
+    or failed). MLX may not return from a collective whose peer has gone
+    (its ring backend then waits forever), so a rank must not rely on the
+    collective's error alone. ``expect_end()`` stops the watch: after a
+    shared stop, the peers end on purpose. A peer that hangs, or a host
+    that is unreachable without closing its connections, is not seen."""
+
+    def __init__(self, connections: list[socket.socket], on_lost: Callable[[], None]):
+        self.connections, self.on_lost = connections, on_lost
+        self.ending = threading.Event()
+        threading.Thread(target=self.watch, name="peers", daemon=True).start()
+
+    def expect_end(self) -> None:
+        self.ending.set()
+
+    def watch(self) -> None:
+        while not self.ending.wait(PEER_WATCH_SECONDS):
+            if any(map(closed_by_peer, self.connections)) and not self.ending.is_set():
+                self.on_lost()
+                return
+
+
+def closed_by_peer(connection: socket.socket) -> bool:
+    """Whether the other end of ``connection`` has closed it (a look at
+    what waits to be read, which leaves it there for MLX)."""
+    try:
+        return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True

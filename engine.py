@@ -3,23 +3,120 @@ batch (``scheduler.BatchGenerator``). Requests reach it as jobs on a
 queue, join the running batch at its next round, and get their texts as
 soon as a round accepts tokens; the HTTP side (``server.py``) never
 touches MLX. docs/serving.md has the limits and what seeds promise.
+
+What joins and leaves the batch is decided as ``Insert``s and ``Cancel``s
+and carried out at the start of the next round. In a process group (the
+main model split across it) rank 0's engine decides, and every other rank
+carries out the same decisions in the same rounds (``follow``): one
+exchange per round (``distributed.RankZeroDecisions``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import queue
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 # First: the fast BLAS on Linux must load before mlx (see cpu/__init__.py).
 import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from decoder import SpeculativeDecoder
+from distributed import IDLE_TICK_SECONDS, RankZeroDecisions, group_failure
 from protocol import Choice, RequestError, Settings, prompt_name
+from sampling import draw_seed
 from scheduler import BatchGenerator
+from speculative import Options
+
+
+@dataclass
+class Insert:
+    """A decision: a prompt (token ids) joins the batch, decoded as ``options``
+    say (a seed always set: rank 0's draw, in a group)."""
+
+    prompt_ids: list[int]
+    options: Options
+
+
+@dataclass
+class Cancel:
+    """A decision: the row ``uid`` leaves the batch."""
+
+    uid: int
+
+
+@dataclass
+class Decided:
+    """The decisions taken since the last round began, and on rank 0 whose
+    each insert is: (job, choice index), one per ``Insert``, in order."""
+
+    decisions: list[Insert | Cancel] = dataclasses.field(default_factory=list)
+    owners: list[tuple[Job, int]] = dataclasses.field(default_factory=list)
+
+    def take_back(self, job: Job) -> int:
+        """Take back the inserts of ``job``'s prompts; how many there were."""
+        decisions, owners, each_owner = [], [], iter(self.owners)
+        for decision in self.decisions:
+            if isinstance(decision, Insert):
+                owner = next(each_owner)
+                if owner[0] is job:
+                    continue
+                owners.append(owner)
+            decisions.append(decision)
+        taken = len(self.owners) - len(owners)
+        self.decisions, self.owners = decisions, owners
+        return taken
+
+
+def carry_out(generator: BatchGenerator, decisions: list[Insert | Cancel]) -> list[int]:
+    """Carry out ``decisions`` in order; the uids of the inserted prompts."""
+    uids = []
+    for decision in decisions:
+        if isinstance(decision, Insert):
+            uids.append(generator.insert(decision.prompt_ids, decision.options))
+        else:
+            generator.cancel(decision.uid)
+    return uids
+
+
+def new_generator(
+    decoder: SpeculativeDecoder, *, speculative: bool, max_batch_size: int
+) -> BatchGenerator:
+    """A server's batch. Alone, it encodes joining prompts in slices between
+    rounds, as the rounds' timings allow; in a group (``decoder.group``), whole
+    before the round they join, so that every rank encodes alike."""
+    return decoder.batch_generator(
+        speculative=speculative,
+        max_batch_size=max_batch_size,
+        cost_batch_sizes=cost_batch_sizes(max_batch_size),
+        interleave_encoding=decoder.group is None,
+    )
+
+
+def follow(
+    decoder: SpeculativeDecoder,
+    decisions: RankZeroDecisions,
+    *,
+    speculative: bool,
+    max_batch_size: int,
+) -> None:
+    """Every rank of a serving group but 0: carry out rank 0's decisions
+    and run the rounds it runs, until it says stop."""
+    generator = new_generator(decoder, speculative=speculative, max_batch_size=max_batch_size)
+    while True:
+        shared, stop = decisions.share()
+        if stop:
+            return
+        carry_out(generator, shared)
+        if len(generator):
+            generator.next()
+        else:
+            decisions.idle()
 
 
 class Job:
@@ -82,6 +179,8 @@ class Engine:
         max_batch_size: int,
         max_waiting: int,
         max_prompt_tokens: int,
+        decisions: RankZeroDecisions | None = None,
+        on_group_failure: Callable[[str], None] | None = None,
     ):
         self.decoder = decoder
         self.speculative = speculative
@@ -96,6 +195,9 @@ class Engine:
         self.open_jobs: set[Job] = set()  # submitted, not yet answered (event loop's side)
         self.closing = False  # abort was called: no new job is taken
         self.counters = dict.fromkeys(("requests", *self.OUTCOMES, "active"), 0)
+        # In a group: the exchange with the other ranks, and what to call
+        # (from the decoding thread) when the group fails, once.
+        self.decisions, self.on_group_failure = decisions, on_group_failure
         self.thread = threading.Thread(target=self._run, name="decoding", daemon=True)
 
     @property
@@ -175,7 +277,14 @@ class Engine:
             waiting = max(0, self.held - self.counters["active"])
             ended = sum(self.counters[outcome] for outcome in self.OUTCOMES)
             running = self.counters["requests"] - ended
-            return {"status": "ok", **self.counters, "running": running, "waiting": waiting}
+            health = {"status": "ok", **self.counters, "running": running, "waiting": waiting}
+        if self.decisions is not None:
+            ranks = [
+                {"rank": rank, "state": "serving" if rank == 0 else "following", "memory": used}
+                for rank, used in enumerate(self.decisions.rank_bytes)
+            ]
+            health["group"] = {"size": len(ranks), "ranks": ranks}
+        return health
 
     def _end(self, job: Job, outcome: str) -> None:
         """Count ``job`` in ``outcome``, unless it ended already."""
@@ -192,40 +301,41 @@ class Engine:
     def _run(self) -> None:
         # MLX's random state is per thread and starts the same in every new one.
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
-        generator = self._new_generator()
+        generator = new_generator(
+            self.decoder, speculative=self.speculative, max_batch_size=self.max_batch_size
+        )
         jobs: dict[int, Job] = {}  # row uid -> job
+        decided = Decided()
         while True:
-            # Wait for work when idle; otherwise take what came during the round.
-            block = len(generator) == 0
+            stop = self._take_commands(decided, jobs, idle=not len(generator))
             try:
-                command, job = self.commands.get(block=block)
-            except queue.Empty:
-                command = None
-            while command is not None:
-                if command == "stop":
+                if self.decisions is not None:
+                    self.decisions.share(decided.decisions, stop)
+                if stop:
                     return
-                if command == "submit":
-                    self._admit(generator, job, jobs)
-                elif command == "cancel":
-                    self._cancel(generator, job, jobs)
-                try:
-                    command, job = self.commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            if not len(generator):
-                self._count(generator)
-                continue
-            try:
-                events = generator.next()
+                for uid, (job, index) in zip(
+                    carry_out(generator, decided.decisions), decided.owners
+                ):
+                    job.uids[uid] = index
+                    jobs[uid] = job
+                    if index == 0:
+                        job.send(("accepted",))
+                decided = Decided()
+                events = generator.next() if len(generator) else []
             except Exception as error:  # noqa: BLE001 - the server must go on serving
                 reason = " ".join(f"{type(error).__name__}: {error}".split())
+                if self.decisions is not None:  # a group cannot: its ranks no longer agree
+                    self.on_group_failure(group_failure(reason, self.decoder.group))
+                    return
                 failed = {id(job): job for job in jobs.values()}.values()
                 for job in failed:
                     job.send(("error", RequestError(500, f"decoding failed: {reason}")))
                     self._end(job, "errors")
                 self._release(len(jobs))
                 jobs.clear()
-                generator = self._new_generator()
+                generator = new_generator(
+                    self.decoder, speculative=self.speculative, max_batch_size=self.max_batch_size
+                )
                 self._count(generator)
                 continue
             changed = {}
@@ -235,7 +345,7 @@ class Engine:
                     continue
                 choice = job.choices[job.uids[uid]]
                 if choice.update(result, job.settings):  # a stop string: the row is done
-                    generator.cancel(uid)
+                    decided.decisions.append(Cancel(uid))
                 if result.finished or choice.finish_reason:
                     del jobs[uid]
                     self._release(1)
@@ -249,20 +359,33 @@ class Engine:
                     job.send(("progress", job.state()))
             self._count(generator)
 
-    def _new_generator(self) -> BatchGenerator:
-        return self.decoder.batch_generator(
-            speculative=self.speculative,
-            max_batch_size=self.max_batch_size,
-            cost_batch_sizes=cost_batch_sizes(self.max_batch_size),
-            interleave_encoding=True,
-        )
+    def _take_commands(self, decided: Decided, jobs: dict, idle: bool) -> bool:
+        """Turn the commands that came into decisions; whether to stop.
+        Idle, wait for one (in a group, at most ``IDLE_TICK_SECONDS``, the
+        pace at which the other ranks look for decisions)."""
+        timeout = IDLE_TICK_SECONDS if self.decisions is not None else None
+        try:
+            command, job = self.commands.get(block=idle, timeout=timeout if idle else None)
+        except queue.Empty:
+            return False
+        while True:
+            if command == "stop":
+                return True
+            if command == "submit":
+                self._admit(job, decided)
+            elif command == "cancel":
+                self._cancel(job, jobs, decided)
+            try:
+                command, job = self.commands.get_nowait()
+            except queue.Empty:
+                return False
 
     def _count(self, generator: BatchGenerator) -> None:
         with self.lock:
             self.counters["active"] = sum(row is not None for row in generator.rows)
 
-    def _admit(self, generator: BatchGenerator, job: Job, jobs: dict) -> None:
-        """Insert ``job``'s prompts, or tell it why not."""
+    def _admit(self, job: Job, decided: Decided) -> None:
+        """Decide to insert ``job``'s prompts, or tell it why not."""
         settings = job.settings
         try:
             ids = [self.decoder.prompt_ids(prompt) for prompt in settings.prompts]
@@ -278,21 +401,24 @@ class Engine:
                 self._refuse(job, RequestError(400, message, "prompt"))
                 return
         for index, prompt_ids in enumerate(ids):
-            uid = generator.insert(prompt_ids, settings.options)
-            job.uids[uid] = index
-            jobs[uid] = job
-        job.send(("accepted",))
+            options = settings.options
+            if options.seed is None:  # drawn here: in a group, rank 0's draw is every rank's
+                options = dataclasses.replace(options, seed=draw_seed())
+            decided.decisions.append(Insert(prompt_ids, options))
+            decided.owners.append((job, index))
 
     def _refuse(self, job: Job, error: RequestError) -> None:
         self._release(len(job.settings.prompts))
         job.send(("error", error))
         self._end(job, "refused")
 
-    def _cancel(self, generator: BatchGenerator, job: Job, jobs: dict) -> None:
+    def _cancel(self, job: Job, jobs: dict, decided: Decided) -> None:
+        """Decide that ``job``'s rows leave; its prompts not yet inserted never join."""
         rows = [uid for uid, owner in jobs.items() if owner is job]
         for uid in rows:
-            generator.cancel(uid)
+            decided.decisions.append(Cancel(uid))
             del jobs[uid]
-        self._release(len(rows))
-        if rows:
+        dropped = decided.take_back(job)
+        self._release(len(rows) + dropped)
+        if rows or dropped:
             self._end(job, "cancelled")

@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -39,7 +40,6 @@ from cli import (
     full_float32,
     quiet_transformers,
 )
-from distributed import launched_in_group
 from protocol import (
     NOT_A_CHAT_MODEL,
     RequestError,
@@ -65,11 +65,6 @@ API_KEY_VARIABLE = "T5_SERVER_API_KEY"
 # Seconds past --shutdown-timeout for requests told the server is shutting
 # down to send their error; uvicorn cancels whatever is left after that.
 SHUTDOWN_GRACE = 5.0
-# Why a server started in a group of processes (mlx.launch) stops at once.
-GROUP_REFUSAL = (
-    "server.py does not run in a group of processes (mlx.launch) yet: it serves from one "
-    "process; main.py splits the main model across several (see docs/distributed.md)"
-)
 
 
 def build_parser() -> ArgumentParser:
@@ -340,6 +335,7 @@ def http_server_class():
             on_overtime: Callable[[], None],
         ):
             super().__init__(config)
+            self.loop: asyncio.AbstractEventLoop | None = None  # set as it starts
             self.ready_message = ready_message
             self.shutdown_timeout, self.on_overtime = shutdown_timeout, on_overtime
 
@@ -356,6 +352,7 @@ def http_server_class():
                 overtime.cancel()
 
         async def startup(self, sockets=None) -> None:
+            self.loop = asyncio.get_running_loop()
             await super().startup(sockets)
             if self.started:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
@@ -376,6 +373,33 @@ def http_server_class():
     return Server
 
 
+class GroupEnd:
+    """How rank 0 of a serving group ends when the group fails under it,
+    called once with the line to end with, from the decoding thread or the
+    peers' watch: every open request is answered (a 503; a stream, an error
+    event and [DONE]), then the server stops and the process exits 1."""
+
+    def __init__(self):
+        self.line: str | None = None
+        self.lock = threading.Lock()
+        self.engine: Engine | None = None
+        self.server = None  # set before the engine starts
+
+    def __call__(self, line: str) -> None:
+        with self.lock:
+            if self.line is not None:
+                return
+            self.line = line
+        if self.server.loop is None:  # not yet serving: nothing to answer
+            self.server.should_exit = True
+        else:
+            self.server.loop.call_soon_threadsafe(self.end)
+
+    def end(self) -> None:
+        self.engine.abort(f"the server's process group failed: {self.line}")
+        self.server.should_exit = True
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """A socket bound to ``host``:``port`` (not yet listening), so that a
     busy port or a wrong address is found before any model loads."""
@@ -392,22 +416,16 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return listener
 
 
-def serve(args: argparse.Namespace) -> int:
-    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
-    # cpu first: on Linux it loads an optimized BLAS, which MLX uses only if loaded before it.
-    import cpu  # noqa: F401  # isort: skip
-    import uvicorn
-
-    from engine import Engine
+def load_decoder(args: argparse.Namespace, group) -> tuple:
+    """The decoder ``args`` name, this rank's share of its main model in a
+    ``group`` (None: alone), and the longest prompt it accepts."""
     from loading import load_checked, model_paths, prompt_token_limit
-
-    Server = http_server_class()
-    listener = listening_socket(args.host, args.port)
 
     no_draft = args.regular_decode or args.draft_model_name == "none"
     paths = model_paths(args.model_name, None if no_draft else args.draft_model_name)
+    shards = 1 if group is None else group.size()
     limit = args.max_prompt_tokens or prompt_token_limit(
-        paths, args.max_tokens_limit, args.max_batch_size
+        paths, args.max_tokens_limit, args.max_batch_size, shards
     )
     decoder = load_checked(
         args.model_name,
@@ -418,16 +436,58 @@ def serve(args: argparse.Namespace) -> int:
         num_draft=args.num_draft,
         delta=args.delta,
         prompt_lookup=0 if args.regular_decode else args.prompt_lookup,
+        group=group,
     )
+    return decoder, limit
+
+
+def follow_group(args: argparse.Namespace, group, connections: list) -> int:
+    """Every rank of a serving group but 0: load this rank's share of the
+    main model, then decode what rank 0 decides until it stops. A peer that
+    closes one of the group's ``connections`` first ends this rank."""
+    from distributed import GROUP_BROKEN, PEER_CLOSED, PeerWatch, RankZeroDecisions, end_now
+    from engine import follow
+
+    watch = PeerWatch(connections, lambda: end_now(group, f"{GROUP_BROKEN} ({PEER_CLOSED})"))
+    decoder, _ = load_decoder(args, group)
+    follow(
+        decoder,
+        RankZeroDecisions(group, watch),
+        speculative=not args.regular_decode,
+        max_batch_size=args.max_batch_size,
+    )
+    return 0
+
+
+def serve(args: argparse.Namespace, group=None, connections: list | None = None) -> int:
+    """Serve alone, or as rank 0 of a ``group`` that splits the main model:
+    the one that listens and decides what every rank decodes; a peer that
+    closes one of the group's ``connections``, or a failed sum, ends it."""
+    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    # cpu first: on Linux it loads an optimized BLAS, which MLX uses only if loaded before it.
+    import cpu  # noqa: F401  # isort: skip
+    import uvicorn
+
+    from distributed import PEER_CLOSED, PeerWatch, RankZeroDecisions, group_failure
+    from engine import Engine
+
+    Server = http_server_class()
+    listener = listening_socket(args.host, args.port)
+    decoder, limit = load_decoder(args, group)
+    ended = GroupEnd()
+    watch = None
+    if group is not None:
+        watch = PeerWatch(connections, functools.partial(ended, group_failure(PEER_CLOSED, group)))
     engine = Engine(
         decoder,
         speculative=not args.regular_decode,
         max_batch_size=args.max_batch_size,
         max_waiting=args.max_waiting,
         max_prompt_tokens=limit,
+        decisions=None if group is None else RankZeroDecisions(group, watch),
+        on_group_failure=ended,
     )
-    engine.start()
-    draft_name = args.draft_model_name if len(paths) > 1 else None
+    draft_name = None if decoder.draft_model is None else args.draft_model_name
     app = App(engine, args.model_name, draft_name, args.max_tokens_limit, args.max_body_bytes)
     app = app.starlette(api_key)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
@@ -451,23 +511,38 @@ def serve(args: argparse.Namespace) -> int:
         args.shutdown_timeout,
         functools.partial(engine.abort, "the server is shutting down"),
     )
+    ended.engine, ended.server = engine, server
+    engine.start()
     try:
         server.run(sockets=[listener])
     finally:
-        engine.stop()
+        if ended.line is None:  # else its thread may be stuck in MLX: the process ends without it
+            engine.stop()
+    if ended.line is not None:
+        print(f"error: {ended.line}", file=sys.stderr, flush=True)
+        return 1
     return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     quiet_transformers()
     full_float32()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if launched_in_group():
-        print(f"error: {GROUP_REFUSAL}", file=sys.stderr)
-        return 1
+    args = build_parser().parse_args(argv)
+    from distributed import (
+        failures_end_group,
+        group_connections,
+        init_group,
+        silence_other_ranks,
+    )
+
+    group = init_group()  # None alone
+    silence_other_ranks(group)
+    connections = [] if group is None else group_connections()  # before any other
+    if group is not None and group.rank() != 0:
+        with failures_end_group(group):
+            return follow_group(args, group, connections)
     try:
-        return serve(args)
+        return serve(args, group, connections)
     except (ValueError, OSError, MemoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

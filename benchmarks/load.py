@@ -28,11 +28,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -48,12 +51,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start_server(args, regular: bool) -> tuple[subprocess.Popen, str]:
-    """server.py with the pair, speculative (auto) or regular; (process, URL)."""
+    """server.py with the pair, speculative (auto) or regular; (rank 0's
+    process, URL). With ``--ranks N`` > 1, N processes on this machine,
+    started as ``mlx.launch`` starts a ring (the others: ``process.ranks``)."""
     command = [sys.executable, str(ROOT / "server.py"), "--model-name", args.model_name]
     command += ["--draft-model-name", args.draft_model_name, "--num-draft", "auto"]
     command += ["--port", "0", "--quiet", "--max-batch-size", str(args.max_batch_size)]
     command += ["--regular-decode"] if regular else []
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    ranks = [{}]
+    if args.ranks > 1:
+        hostfile = Path(tempfile.mkdtemp()) / "hosts.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(args.ranks)]))
+        ranks = [
+            {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)} for rank in range(args.ranks)
+        ]
+    processes = [
+        subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+        for env in ranks
+    ]
+    process = processes[0]
+    process.ranks = processes[1:]
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         line = process.stderr.readline()
@@ -64,8 +81,27 @@ def start_server(args, regular: bool) -> tuple[subprocess.Popen, str]:
             return process, found.group(1)
         if not line and process.poll() is not None:
             break
-    process.kill()
+    for started in processes:
+        started.kill()
     raise RuntimeError("the server did not start")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGTERM to rank 0, which stops every rank; wait for them all."""
+    process.send_signal(signal.SIGTERM)
+    for stopped in (process, *process.ranks):
+        stopped.wait(timeout=120)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports of 127.0.0.1 that the system has just given out and taken back."""
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
@@ -370,8 +406,7 @@ def run_soak(args, prompts: list[str]) -> int:
         report |= {"seconds": time.perf_counter() - start, "concurrency": concurrency}
         report |= memory.summary()
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=120)
+        stop_server(process)
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
@@ -410,6 +445,13 @@ def main() -> int:
     parser.add_argument(
         "--request-timeout", type=float, default=120, help="soak: seconds before a request is lost"
     )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="serve from this many processes on this machine, the main model split across "
+        "them (a group, as mlx.launch starts one; memory: rank 0's)",
+    )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
     prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
@@ -430,8 +472,7 @@ def main() -> int:
                 rows.append(summarize(name, concurrency, results, seconds) | memory.summary())
                 print(json.dumps(rows[-1]), flush=True)
         finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=120)
+            stop_server(process)
     # The library at the same batch size, on the same requests (not for timed runs).
     library = None if args.duration else library_batch(args, prompts, args.requests)
     print(

@@ -500,20 +500,6 @@ def test_indivisible_model_refused():
         check_divisible(args, 2)
 
 
-def test_server_refuses_a_group(tmp_path):
-    """server.py launched in a group stops at once with one line saying why."""
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "server.py")],
-        env={**os.environ, "MLX_RANK": "0"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 1
-    assert result.stderr.strip() == "error: " + __import__("server").GROUP_REFUSAL
-
-
 def test_memory_check_counts_each_rank_share(converted_pair, monkeypatch):
     """The memory check counts each rank's share of the main model: what
     one process would need, less a byte, refuses the pair alone and fits

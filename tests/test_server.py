@@ -49,7 +49,7 @@ def start_server(
 ) -> tuple:
     """Start server.py (``command``, by default the test pair's
     ``server_command``) in ``cwd`` on a free port (the system's pick);
-    (process, base URL). ``process.stderr_lines`` collects its standard error."""
+    (process, base URL), as ``listening_url`` reads it."""
     command = command or server_command(converted_pair, *options)
     command = command + (["--quiet"] if quiet else [])
     env = dict(os.environ)
@@ -59,6 +59,13 @@ def start_server(
     process = subprocess.Popen(
         command, cwd=cwd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
+    return process, listening_url(process)
+
+
+def listening_url(process) -> str:
+    """The base URL of a starting server ``process`` (its output piped, as
+    text), once it prints it; then ``process.stderr_lines`` and
+    ``process.stdout_lines`` collect the rest of its output."""
     lines = process.stderr_lines = []
     process.stdout_lines = []
     deadline = time.monotonic() + 120
@@ -74,7 +81,7 @@ def start_server(
             ]
             for reader in process.readers:
                 reader.start()
-            return process, found.group(1)
+            return found.group(1)
         if not line and process.poll() is not None:
             break
     stop_server(process)
