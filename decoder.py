@@ -116,9 +116,11 @@ class SpeculativeDecoder:
         its costs measured at each of ``batch_sizes`` rows."""
         if self.num_draft == "auto":
             rule = self.auto.for_batch(prompts[0], batch_sizes)
-            # In a group, rank 0's choices: every rank must run the same rounds.
-            return shared_draft_length(rule, self.group)
-        return FixedDraftLength(self.num_draft)
+        else:
+            rule = FixedDraftLength(self.num_draft)
+        # In a group, rank 0's choices (auto's weigh each rank's timings, and
+        # a rank may be started with other flags): every rank runs the same rounds.
+        return shared_draft_length(rule, self.group)
 
     def batch_generator(
         self, *, speculative: bool = True, max_batch_size: int = 8, **kwargs

@@ -265,7 +265,7 @@ from drafting import FixedDraftLength, RowState
 
 group = distributed.init_group()
 # Each rank's own rule would draft another number of tokens.
-rule = distributed.RankZeroDraftLength(FixedDraftLength(3 + 4 * group.rank()), group)
+rule = distributed.shared_draft_length(FixedDraftLength(3 + 4 * group.rank()), group)
 print(json.dumps([rule.plan([RowState(True)], [9], None) for _ in range(2)]))
 """
 

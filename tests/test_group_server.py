@@ -28,14 +28,20 @@ from test_server import (
     stream_texts,
 )
 
-# Rank 0's options (auto: the plans are rank 0's), and a single process's.
-OPTIONS = ("--num-draft", "auto", "--max-prompt-tokens", "1000", "--quiet")
+# The servers' options: auto's draft lengths, unless a rank is given its own.
+OPTIONS = ("--max-prompt-tokens", "1000", "--quiet")
+AUTO = ("--num-draft", "auto")
 
 
-def start_group_server(converted_pair, tmp_path) -> tuple[list, str]:
-    """server.py as 2 ranks; (processes, rank 0's base URL) once it listens."""
-    command = server_command(converted_pair, *OPTIONS)[1:]  # start_group adds the interpreter
-    processes = start_group([command, command], tmp_path)
+def start_group_server(converted_pair, tmp_path, *rank_options: tuple) -> tuple[list, str]:
+    """server.py as 2 ranks, each with its ``rank_options`` (default: auto);
+    (processes, rank 0's base URL) once it listens."""
+    # start_group adds the interpreter.
+    commands = [
+        server_command(converted_pair, *OPTIONS, *options)[1:]
+        for options in rank_options or (AUTO, AUTO)
+    ]
+    processes = start_group(commands, tmp_path)
     try:
         return processes, listening_url(processes[0])
     except BaseException:
@@ -68,7 +74,11 @@ def mixed_requests() -> list[tuple[dict, bool]]:
 
 @pytest.fixture(scope="module")
 def group_server(converted_pair, tmp_path_factory):
-    processes, url = start_group_server(converted_pair, tmp_path_factory.mktemp("group"))
+    """2 ranks whose own draft lengths differ, as ranks whose timings differ
+    would plan others: every rank must take rank 0's."""
+    tmp_path = tmp_path_factory.mktemp("group")
+    ranks = (("--num-draft", "2"), ("--num-draft", "4"))
+    processes, url = start_group_server(converted_pair, tmp_path, *ranks)
     yield url
     stop(processes)
 
@@ -76,7 +86,7 @@ def group_server(converted_pair, tmp_path_factory):
 def test_a_group_serves_a_single_processs_texts(group_server, converted_pair):
     """16 concurrent mixed requests get, from the group, the texts a single
     process serves them; /health names the group and each rank."""
-    process, single = start_server(converted_pair, *OPTIONS, key=None)
+    process, single = start_server(converted_pair, *OPTIONS, *AUTO, key=None)
     try:
         requests = mixed_requests()
         with ThreadPoolExecutor(max_workers=len(requests)) as pool:
@@ -86,8 +96,13 @@ def test_a_group_serves_a_single_processs_texts(group_server, converted_pair):
         stop_server(process)
     assert grouped == alone
     assert len({text for texts in alone for text in texts}) > 8  # they differ: a real check
+    # Unseeded, the group draws one seed for all its ranks: the seed it names repeats the text.
+    unseeded = {"prompt": PROMPTS[3], "max_tokens": MAX_NEW, "temperature": 1.0}
+    drawn = post(group_server, unseeded, key=None).json()["choices"][0]
+    seeded = post(group_server, {**unseeded, "seed": drawn["seed"]}, key=None).json()
+    assert seeded["choices"][0]["text"] == drawn["text"]
     health = httpx.get(group_server + "/health", timeout=TIMEOUT).json()
-    assert health["completed"] == len(requests) and health["active"] == 0
+    assert health["completed"] == len(requests) + 2 and health["active"] == 0
     assert health["group"]["size"] == 2
     assert [rank["state"] for rank in health["group"]["ranks"]] == ["serving", "following"]
     assert all(rank["memory"] > 0 for rank in health["group"]["ranks"])
@@ -183,3 +198,37 @@ def test_sigterm_to_rank_zero_ends_the_group_cleanly(converted_pair, decoding_pa
     assert follower.returncode == 0
     assert follower.stdout == follower.stderr == ""
     assert output_after_exit(processes[0])[0] == ""
+
+
+def test_the_server_counts_a_ranks_share_of_memory(converted_pair, monkeypatch):
+    """In a group of 2, the server's memory check and its prompt limit count
+    half the main model: with memory for a batch of 8 at 20 prompt tokens
+    alone, the split model's limit is longer."""
+    import loading
+    import server
+
+    paths = list(converted_pair)
+    weights, rows = loading.held_bytes(paths, 20, 16)
+    monkeypatch.setattr(loading, "available_memory", lambda: int(sum(weights) + 8 * sum(rows)))
+    monkeypatch.setattr(loading, "cost_token_limit", lambda args: 1 << 20)
+    alone = loading.prompt_token_limit(paths, 16, 8)
+    assert alone == 20
+    loaded = {}
+    monkeypatch.setattr(loading, "load_checked", lambda *args, **kwargs: loaded.update(kwargs))
+
+    class Pair:  # what load_decoder reads of a group
+        def size(self):
+            return 2
+
+    args = server.build_parser().parse_args(
+        [
+            "--model-name",
+            str(paths[0]),
+            "--draft-model-name",
+            str(paths[1]),
+            "--max-tokens-limit",
+            "16",
+        ]
+    )
+    _, limit = server.load_decoder(args, Pair())
+    assert limit > alone and loaded["prompt_tokens"] == limit and isinstance(loaded["group"], Pair)
