@@ -172,8 +172,10 @@ def group_failure(reason: str, group: mx.distributed.Group) -> str:
 
 
 def end_now(group: mx.distributed.Group, reason: str) -> None:
-    """End this process at once, from any thread, with its one line."""
-    print(f"error: {rank_named(group)}{reason}", file=_error_file, flush=True)
+    """End this process at once, from any thread, with its one line (if
+    anyone still reads it: a closed standard error must not keep it alive)."""
+    with contextlib.suppress(OSError):
+        print(f"error: {rank_named(group)}{reason}", file=_error_file, flush=True)
     os._exit(1)
 
 
@@ -202,8 +204,7 @@ def failures_end_group(group: mx.distributed.Group | None) -> Iterator[None]:
             reason = f"{GROUP_BROKEN} ({reason})"
         with contextlib.suppress(OSError):  # a reader of standard output that left
             sys.stdout.flush()
-        print(f"error: {rank_named(group)}{reason}", file=_error_file, flush=True)
-        os._exit(1)
+        end_now(group, reason)
 
 
 def rank_zero_forms(group: mx.distributed.Group) -> Callable[..., str]:
