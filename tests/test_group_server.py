@@ -18,11 +18,14 @@ from test_distributed import FAILURE_SECONDS, finish, start_group, stop
 from test_server import (
     MAX_NEW,
     TIMEOUT,
+    health_when,
+    leave_mid_stream,
     listening_url,
     open_stream,
     output_after_exit,
     post,
     server_command,
+    sigterm_while_decoding,
     start_server,
     stop_server,
     stream_texts,
@@ -113,18 +116,7 @@ def test_a_client_that_leaves_and_a_bad_request_leave_the_group_serving(
 ):
     from decoder import SpeculativeDecoder
 
-    before = httpx.get(group_server + "/health", timeout=TIMEOUT).json()
-    body = {"prompt": PROMPTS[2], "max_tokens": 64, "stop": "zzzz-never"}
-    with open_stream(group_server, body, key=None) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                break  # leave after the first event
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        health = httpx.get(group_server + "/health", timeout=TIMEOUT).json()
-        if health["cancelled"] > before["cancelled"] and health["active"] == 0:
-            break
-        time.sleep(0.05)
+    before, health = leave_mid_stream(group_server, key=None)
     assert health["cancelled"] == before["cancelled"] + 1 and health["active"] == 0
     malformed = post(group_server, '{"prompt": "hi", ', key=None)
     assert malformed.status_code == 400 and malformed.json()["error"]["message"]
@@ -153,10 +145,7 @@ def test_a_killed_rank_ends_the_group_answering_every_request(converted_pair, tm
                 lines = response.iter_lines()
                 first = next(line for line in lines if line.startswith("data: "))
                 waiting = pool.submit(post, url, long, key=None)
-                deadline = time.monotonic() + 60
-                while httpx.get(url + "/health", timeout=TIMEOUT).json()["running"] < 2:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.02)
+                assert health_when(url, lambda health: health["running"] == 2)["running"] == 2
                 processes[1].send_signal(signal.SIGKILL)
                 killed = time.monotonic()
                 rest = [line for line in lines if line.startswith("data: ")]
@@ -183,14 +172,7 @@ def test_sigterm_to_rank_zero_ends_the_group_cleanly(converted_pair, decoding_pa
     processes, url = start_group_server(converted_pair, tmp_path)
     try:
         expected = SpeculativeDecoder(*decoding_pair).generate(PROMPTS[2], max_tokens=40).text
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            running = pool.submit(post, url, {"prompt": PROMPTS[2], "max_tokens": 40}, key=None)
-            deadline = time.monotonic() + 60
-            while httpx.get(url + "/health", timeout=TIMEOUT).json()["running"] == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            processes[0].send_signal(signal.SIGTERM)
-            assert running.result().json()["choices"][0]["text"] == expected
+        sigterm_while_decoding(url, processes[0], expected)
         assert processes[0].wait(timeout=60) == 0
         follower = finish(processes[1:], FAILURE_SECONDS)[0]
     finally:

@@ -292,19 +292,22 @@ def test_a_seeded_request_gets_its_regular_text_alone_and_among_others(
     )
 
 
-def test_a_client_that_leaves_frees_its_row(server, reference):
-    before = httpx.get(server + "/health", timeout=TIMEOUT).json()
+def leave_mid_stream(url: str, key: str | None = API_KEY) -> tuple[dict, dict]:
+    """Open a long stream and leave after its first event; the server's
+    /health before, and once it counts the request cancelled with no row
+    active (or after a minute)."""
+    before = httpx.get(url + "/health", timeout=TIMEOUT).json()
     body = {"prompt": PROMPTS[2], "max_tokens": 64, "stop": "zzzz-never"}
-    with open_stream(server, body) as response:
+    with open_stream(url, body, key) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break  # leave after the first event
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        health = httpx.get(server + "/health", timeout=TIMEOUT).json()
-        if health["cancelled"] > before["cancelled"] and health["active"] == 0:
-            break
-        time.sleep(0.05)
+    after = health_when(url, lambda h: h["cancelled"] > before["cancelled"] and h["active"] == 0)
+    return before, after
+
+
+def test_a_client_that_leaves_frees_its_row(server, reference):
+    before, health = leave_mid_stream(server)
     assert health["cancelled"] == before["cancelled"] + 1
     assert health["active"] == 0
     # The server goes on, with the right text.
@@ -452,18 +455,20 @@ def test_wrong_paths_methods_size_and_keys(server):
     assert httpx.post(server + "/v1/completions", json=GOOD, headers=lowercase).status_code == 200
 
 
+def sigterm_while_decoding(url: str, process, expected: str) -> None:
+    """SIGTERM to ``process`` while the server at ``url`` decodes a request
+    (the second prompt, 40 tokens), which must still get ``expected``."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(post, url, {"prompt": PROMPTS[2], "max_tokens": 40}, key=None)
+        assert health_when(url, lambda health: health["running"] > 0)["running"] > 0
+        process.send_signal(signal.SIGTERM)
+        assert running.result().json()["choices"][0]["text"] == expected
+
+
 def test_sigterm_lets_a_running_request_finish(converted_pair, reference):
     process, url = start_server(converted_pair, key=None)
     try:
-        expected = reference.generate(PROMPTS[2], max_tokens=40).text
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            running = pool.submit(post, url, {"prompt": PROMPTS[2], "max_tokens": 40}, key=None)
-            deadline = time.monotonic() + 60
-            while httpx.get(url + "/health", timeout=TIMEOUT).json()["requests"] == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            process.send_signal(signal.SIGTERM)
-            assert running.result().json()["choices"][0]["text"] == expected
+        sigterm_while_decoding(url, process, reference.generate(PROMPTS[2], max_tokens=40).text)
         assert process.wait(timeout=60) == 0
     finally:
         stop_server(process)
