@@ -260,39 +260,43 @@ IDLE_TICK_SECONDS = 0.05
 class RankZeroDecisions:
     """Rank 0's decisions, on every rank, once per round: a server's rank 0
     alone hears the requests, so it decides what joins and leaves the batch
-    and every rank carries out its decisions, in the same order. One sum of
-    a header (the decisions' size, a stop, and each rank's own state in its
-    place), and a second of the decisions (pickled) when there are any."""
+    and how much the round encodes, and every rank carries out its
+    decisions, in the same order. One sum of a header (the decisions' size,
+    a stop, the encoding slices, and each rank's own state in its place),
+    and a second of the decisions (pickled) when there are any."""
 
-    HEADER = 2  # the decisions' bytes, stop; then one place per rank
+    HEADER = 3  # the decisions' bytes, stop, encoding slices; then one place per rank
 
     def __init__(self, group: mx.distributed.Group, watch: PeerWatch | None = None):
         self.group, self.watch = group, watch  # watch: ended once rank 0 says stop
         self.rank_bytes = [0] * group.size()  # each rank's MLX memory in use, at the last exchange
         self.exchanged = time.monotonic()
 
-    def share(self, decisions: list | None = None, stop: bool = False) -> tuple[list, bool]:
-        """Rank 0's ``decisions`` and ``stop`` (other ranks pass neither)."""
+    def share(
+        self, decisions: list | None = None, stop: bool = False, slices: int = 0
+    ) -> tuple[list, bool, int]:
+        """Rank 0's ``decisions``, ``stop`` and encoding ``slices`` (other
+        ranks pass none of them)."""
         import mlx.core as mx
 
         rank, size = self.group.rank(), self.group.size()
         payload = pickle.dumps(decisions) if rank == 0 and decisions else b""
         header = [0] * (self.HEADER + size)
         if rank == 0:
-            header[:2] = [len(payload), int(stop)]
+            header[: self.HEADER] = [len(payload), int(stop), slices]
             if stop and self.watch is not None:  # the other ranks end now, on purpose
                 self.watch.expect_end()
         header[self.HEADER + rank] = mx.get_active_memory() >> 10  # KiB: an int32 holds 2 TiB
         header = self.sum(mx.array(header, mx.int32)).tolist()
         self.rank_bytes = [kib << 10 for kib in header[self.HEADER :]]
         self.exchanged = time.monotonic()
-        length, stop = header[0], bool(header[1])
+        length, stop, slices = header[0], bool(header[1]), header[2]
         if stop and self.watch is not None:
             self.watch.expect_end()
         if not length:
-            return [], stop
+            return [], stop, slices
         mine = mx.array(list(payload) if rank == 0 else [0] * length, mx.uint8)
-        return pickle.loads(bytes(self.sum(mine).tolist())), stop
+        return pickle.loads(bytes(self.sum(mine).tolist())), stop, slices
 
     def sum(self, values: mx.array) -> mx.array:
         import mlx.core as mx

@@ -87,14 +87,13 @@ def carry_out(generator: BatchGenerator, decisions: list[Insert | Cancel]) -> li
 def new_generator(
     decoder: SpeculativeDecoder, *, speculative: bool, max_batch_size: int
 ) -> BatchGenerator:
-    """A server's batch. Alone, it encodes joining prompts in slices between
-    rounds, as the rounds' timings allow; in a group (``decoder.group``), whole
-    before the round they join, so that every rank encodes alike."""
+    """A server's batch: it encodes joining prompts in slices between
+    rounds, as the rounds' timings allow (in a group, rank 0's)."""
     return decoder.batch_generator(
         speculative=speculative,
         max_batch_size=max_batch_size,
         cost_batch_sizes=cost_batch_sizes(max_batch_size),
-        interleave_encoding=decoder.group is None,
+        interleave_encoding=True,
     )
 
 
@@ -106,15 +105,16 @@ def follow(
     max_batch_size: int,
 ) -> None:
     """Every rank of a serving group but 0: carry out rank 0's decisions
-    and run the rounds it runs, until it says stop."""
+    and run the rounds it runs, encoding as much as it says, until it says
+    stop."""
     generator = new_generator(decoder, speculative=speculative, max_batch_size=max_batch_size)
     while True:
-        shared, stop = decisions.share()
+        shared, stop, slices = decisions.share()
         if stop:
             return
         carry_out(generator, shared)
         if len(generator):
-            generator.next()
+            generator.next(slices)
         else:
             decisions.idle()
 
@@ -309,9 +309,9 @@ class Engine:
         while True:
             stop = self._take_commands(decided, jobs, idle=not len(generator))
             try:
-                if self.decisions is not None:
-                    self.decisions.share(decided.decisions, stop)
                 if stop:
+                    if self.decisions is not None:
+                        self.decisions.share(stop=True)
                     return
                 for uid, (job, index) in zip(
                     carry_out(generator, decided.decisions), decided.owners
@@ -320,8 +320,12 @@ class Engine:
                     jobs[uid] = job
                     if index == 0:
                         job.send(("accepted",))
+                slices = None  # alone: judged slice by slice
+                if self.decisions is not None:  # decided here for every rank: their timings differ
+                    slices = generator.encoding_budget()
+                    self.decisions.share(decided.decisions, slices=slices)
                 decided = Decided()
-                events = generator.next() if len(generator) else []
+                events = generator.next(slices) if len(generator) else []
             except Exception as error:  # noqa: BLE001 - the server must go on serving
                 reason = " ".join(f"{type(error).__name__}: {error}".split())
                 if self.decisions is not None:  # a group cannot: its ranks no longer agree

@@ -114,6 +114,7 @@ class Encoding:
     slices: Slices[tuple[DecoderCache, DecoderCache | None]]  # main's cache, draft's or None
     caches: tuple[DecoderCache, DecoderCache | None] | None = None  # set when it ends
     seconds: float = 0.0  # spent in its slices
+    done: int = 0  # slices computed
     cancelled: set[int] = dataclasses.field(default_factory=set)  # uids
 
     def free_seconds(self, round_seconds: float) -> float:
@@ -136,6 +137,7 @@ class Encoding:
         except StopIteration as end:
             self.caches = end.value
         self.seconds += time.perf_counter() - tic
+        self.done += 1
         return self.caches is not None
 
 
@@ -248,13 +250,15 @@ class BatchGenerator:
                 self._free(i)
                 return
 
-    def next(self) -> list[tuple[int, GenerationResult]]:
+    def next(self, encoding_slices: int | None = None) -> list[tuple[int, GenerationResult]]:
         """Run one round over every row and return ``(uid, result)`` for each:
         a new result object every time, ``result.finished`` on a prompt's
         last (end of sequence or its ``max_tokens``). Empty when nothing
-        decodes (prompts may be encoding)."""
+        decodes (prompts may be encoding). ``encoding_slices``: interleaving,
+        the number of encoding slices to compute first (``encoding_budget``);
+        None: as many as the timings allow, judged slice by slice."""
         # 1. Places: joining prompts encode and take places; places free too long leave.
-        self._admit()
+        self._admit(encoding_slices)
         self._drop_free_rows()
         live = [row for row in self.rows if row is not None]
         if not live:
@@ -387,12 +391,13 @@ class BatchGenerator:
         if self.drafter is not None:
             self.drafter.keep_rows(kept)
 
-    def _admit(self) -> None:
+    def _admit(self, budget: int | None) -> None:
         """Start encoding waiting prompts while places allow (the prompts of
         each encoder pass together), then encode, shortest prompts first:
-        all of it, or, interleaving, slices while the rounds' share of time
-        allows (``_next_encoding``). Prompts whose encoding ends take free
-        rows, then new ones up to ``max_batch_size``."""
+        all of it, or, interleaving, ``budget`` slices, or with None, slices
+        while the rounds' share of time allows (``_next_encoding``). Prompts
+        whose encoding ends take free rows, then new ones up to
+        ``max_batch_size``."""
         encoding = sum(len(e.rows) for e in self.encodings)
         capacity = self.rows.count(None) + self.max_batch_size - len(self.rows) - encoding
         joining = [self.waiting.popleft() for _ in range(min(capacity, len(self.waiting)))]
@@ -408,8 +413,11 @@ class BatchGenerator:
                 self.encodings.append(Encoding(rows, slices))
             self.encodings.sort(key=lambda e: e.longest)
         idle_since, sliced = time.perf_counter(), False
-        while self.encodings:
-            encoding = self._next_encoding(sliced, idle_since)
+        while self.encodings and budget != 0:
+            if budget is None:
+                encoding = self._next_encoding(sliced, idle_since)
+            else:
+                encoding, budget = self.encodings[0], budget - 1
             if encoding is None:
                 break
             sliced = True
@@ -422,6 +430,25 @@ class BatchGenerator:
             if ended:
                 self.encodings.remove(encoding)
                 self._join(encoding)
+
+    def encoding_budget(self) -> int:
+        """The encoding slices the next round may compute, judged before it
+        from the slices timed so far, as ``_next_encoding`` judges each
+        slice: the first pass's free seconds left or the credit (with no row
+        decoding, IDLE_ENCODING_SECONDS), over the seconds of its slices. At
+        least one while a pass waits, and one for a pass not yet begun (it
+        times it). A group's rank 0 decides this for every rank, whose
+        timings differ (``engine.follow``)."""
+        if not self.encodings:
+            return int(bool(self.waiting))
+        first = self.encodings[0]
+        if not first.done:
+            return 1
+        seconds = IDLE_ENCODING_SECONDS
+        if any(self.rows):
+            free = first.free_seconds(self.round_seconds) - first.seconds
+            seconds = max(free, self.encoding_credit)
+        return max(1, int(seconds / (first.seconds / first.done)))
 
     def _next_encoding(self, sliced: bool, idle_since: float) -> Encoding | None:
         """The pass to encode a slice of next, or None for none now: the

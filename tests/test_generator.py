@@ -355,6 +355,34 @@ def test_a_pass_encodes_two_rounds_time_per_prompt_at_once(decoding_pair):
     assert generator._next_encoding(True, 0.0) is throttled
 
 
+def test_a_groups_encoding_budget_is_judged_before_the_round(decoding_pair):
+    """What a group's rank 0 decides a round encodes (``encoding_budget``),
+    before it: nothing with nothing to encode; one slice for a pass not yet
+    timed; with rows decoding, the first pass's free seconds left or the
+    credit, over its seconds per slice, at least one; idle,
+    IDLE_ENCODING_SECONDS' worth. The generator then computes that many."""
+    from scheduler import IDLE_ENCODING_SECONDS, Encoding, Row
+
+    decoder = SpeculativeDecoder(*decoding_pair, num_draft=2)
+    generator = decoder.batch_generator(max_batch_size=4, interleave_encoding=True)
+    assert generator.encoding_budget() == 0
+    generator.insert(PROMPTS[1], Options(MAX_NEW))
+    assert generator.encoding_budget() == 1
+    generator.waiting.clear()
+    row = Row(0, [5, 1], 4, Sampling(), None)
+    generator.encodings = [Encoding([row], None)]  # not yet timed
+    assert generator.encoding_budget() == 1
+    generator.encodings = [Encoding([row], None, seconds=0.0201, done=2)]  # 10 ms a slice
+    assert generator.encoding_budget() == int(IDLE_ENCODING_SECONDS / 0.01005)
+    generator.rows, generator.round_seconds = [object()], 0.050  # a row decoding
+    assert generator.encoding_budget() == 7  # 2 rounds' 100 ms, less 20 ms spent
+    generator.encoding_credit = 0.2
+    assert generator.encoding_budget() == 19
+    generator.encodings = [Encoding([row], None, seconds=0.5, done=10)]
+    generator.encoding_credit = 0.0
+    assert generator.encoding_budget() == 1  # past its free seconds, no credit: one
+
+
 def test_a_prompt_cancelled_while_encoding_leaves_nothing(decoding_pair):
     """A prompt cancelled while its pass encodes leaves the generator, its
     pass too when no prompt of it is left."""
