@@ -731,7 +731,7 @@ def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
     # What no flag or task gives is filled in once the task is read (resolve_beams).
     args.beam_flags = [name for name in BEAM_ONLY if getattr(args, name) is not None]
     args.min_tokens = 0
-    beams = args.num_beams is not None and args.num_beams > 1
+    beams = args.task is not None or (args.num_beams is not None and args.num_beams > 1)
     if (
         args.draft_model_name == "none"
         and not args.prompt_lookup

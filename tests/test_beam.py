@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import beam
 import convert
+import main as main_module
 from beam import start_cache
 from decoder import SpeculativeDecoder
 from loading import load_model, load_tokenizer
@@ -242,3 +243,140 @@ def test_cross_attention_is_held_once_per_prompt(ending):
     assert cache.lengths == [3] * len(parents)
     assert all(keys.shape[0] == 2 for keys, _ in cache.cross_buffers)
     assert cache.prompt_lengths == [len(ids[0]), len(ids[2])]
+
+
+def test_bad_beam_options_are_refused(ending):
+    _, decoder = ending
+    for options, message in [
+        ({"num_beams": 0}, "num_beams must be"),
+        ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences must be"),
+        ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping must be"),
+        ({"num_beams": 2, "no_repeat_ngram_size": -1}, "no_repeat_ngram_size must be"),
+        ({"num_beams": 2, "temp": 0.5}, "does not sample"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            decoder.generate(PROMPTS[0], **options)
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """main.py's exit status, standard output and standard error, in this process."""
+    try:
+        status = main_module.main(argv)
+    except SystemExit as exit:  # the parser's errors
+        status = exit.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def transformers_text(hf_model, tokenizer, prompt: str, **settings) -> tuple[str, float]:
+    """transformers' best text for ``prompt`` and its score."""
+    rows, scores = transformers_beams(hf_model, tokenizer, prompt, settings)
+    return tokenizer.decode(rows[0], skip_special_tokens=True), scores[0]
+
+
+def test_task_applies_its_prefix_beams_and_lengths(ending, hf_ending, capsys):
+    """--task translation_en_to_de is transformers' pipeline: the prefix,
+    3 beams, early stopping, max_length 13 (12 new tokens)."""
+    directory, decoder = ending
+    hf_model = load_hf(hf_ending)
+    status, out, err = run_main(
+        [
+            *("--model-name", str(directory), "--draft-model-name", "none"),
+            *("--task", "translation_en_to_de", "--prompt", "the sea"),
+        ],
+        capsys,
+    )
+    assert status == 0, err
+    expected, _ = transformers_text(
+        hf_model,
+        decoder.tokenizer,
+        "translate English to German: the sea",
+        num_beams=3,
+        early_stopping=True,
+        max_length=13,
+    )
+    assert out == expected + "\n"
+    assert "note:" not in err
+
+
+def test_a_flag_given_wins_over_the_task(ending, hf_ending, capsys):
+    directory, decoder = ending
+    hf_model = load_hf(hf_ending)
+    prompt = "the children walked to the old market by the river."
+    argv = ["--model-name", str(directory), "--task", "summarization", "--prompt", prompt]
+    status, out, err = run_main([*argv, "--num-beams", "2", "-m", "9"], capsys)
+    assert status == 0, err
+    expected, _ = transformers_text(
+        hf_model,
+        decoder.tokenizer,
+        "summarize: " + prompt,
+        num_beams=2,
+        length_penalty=2.0,
+        early_stopping=True,
+        no_repeat_ngram_size=3,
+        min_length=5,
+        max_new_tokens=9,
+    )
+    assert out == expected + "\n"
+
+
+def test_output_holds_each_prompts_sequences_and_scores(ending, hf_ending, tmp_path, capsys):
+    directory, decoder = ending
+    hf_model = load_hf(hf_ending)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:3]) + "\n")
+    output = tmp_path / "out.jsonl"
+    argv = ["--model-name", str(directory), "--prompts", str(prompts), "--output", str(output)]
+    beams = ["--num-beams", "3", "--num-return-sequences", "2", "-m", "12", "--batch-size", "2"]
+    status, _, err = run_main([*argv, *beams, "--draft-model-name", "none"], capsys)
+    assert status == 0, err
+    records = sorted(map(json.loads, output.read_text().splitlines()), key=lambda r: r["index"])
+    assert [record["index"] for record in records] == [0, 1, 2]
+    for prompt, record in zip(PROMPTS, records):
+        rows, scores = transformers_beams(
+            hf_model,
+            decoder.tokenizer,
+            prompt,
+            {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 12},
+        )
+        assert len(record["sequences"]) == 2
+        for sequence, row, score in zip(record["sequences"], rows, scores):
+            assert row[: len(sequence["tokens"])] == sequence["tokens"]
+            assert sequence["score"] == pytest.approx(score, rel=1e-5, abs=1e-4)
+            assert sequence["text"] == decoder.tokenizer.decode(
+                sequence["tokens"], skip_special_tokens=True
+            )
+        assert record["text"] == record["sequences"][0]["text"]
+        assert record["score"] == record["sequences"][0]["score"]
+
+
+def test_with_a_draft_model_beams_run_plain_and_say_so_once(ending, converted_pair, capsys):
+    directory, decoder = ending
+    argv = ["--model-name", str(directory), "--prompt", PROMPTS[3], "--num-beams", "3", "-m", "9"]
+    status, out, err = run_main([*argv, "--draft-model-name", str(converted_pair[1])], capsys)
+    assert status == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "beam search" in notes[0], err
+    assert not any(line.startswith("Loading") and "draft" in line for line in err.splitlines())
+    expected = decoder.generate(PROMPTS[3], num_beams=3, max_tokens=9).text
+    assert out == expected + "\n"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-beams", "0"], "--num-beams: 0 is not >= 1"),
+        (["--num-beams", "2", "--num-return-sequences", "3"], "--num-return-sequences 3"),
+        (["--task", "translation_en_to_fr"], "--task translation_en_to_fr: the model has no"),
+        (["--num-beams", "2", "--temp", "0.5"], "does not sample"),
+        (["--length-penalty", "2"], "--length-penalty goes with beam search"),
+        (["--early-stopping", "maybe"], "'maybe' is not true, false or never"),
+    ],
+)
+def test_bad_beam_flags_get_one_line(flags, message, ending, capsys):
+    directory, _ = ending
+    argv = ["--model-name", str(directory), "--draft-model-name", "none", "--regular-decode"]
+    status, out, err = run_main([*argv, "--prompt", "the sea", *flags], capsys)
+    assert status != 0 and not out
+    lines = [line for line in err.splitlines() if not line.startswith("Loading")]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
