@@ -119,7 +119,6 @@ class PromptBeams:
     sequences: list[list[int]]
     scores: np.ndarray  # float32 [num_beams]
     finished: list[Hypothesis] = dataclasses.field(default_factory=list)
-    improvable: bool = True  # its best beam could still beat its worst finished hypothesis
     done: bool = False
 
     @classmethod
@@ -177,9 +176,11 @@ class PromptBeams:
         parents = [int(beams[k]) for k in running]
         self.sequences = [self.sequences[beams[k]] + [int(tokens[k])] for k in running]
         self.scores = scores[running]
-        self.improvable = self.improvable and self.could_improve(options, max_tokens, length)
         full = len(self.finished) == num_beams
-        self.done = at_limit or not self.improvable or (full and options.early_stopping is True)
+        stops = (full and options.early_stopping is True) or not self.could_improve(
+            options, max_tokens, length
+        )
+        self.done = at_limit or stops
         return parents
 
     def could_improve(self, options: BeamOptions, max_tokens: int, length: int) -> bool:

@@ -39,9 +39,8 @@ SETTINGS = {
         "max_new_tokens": 20,
         "num_return_sequences": 4,
     },
-    "never_penalty_half_ngram_2": {
+    "never_ngram_2": {
         "num_beams": 3,
-        "length_penalty": 0.5,
         "early_stopping": "never",
         "no_repeat_ngram_size": 2,
         "max_new_tokens": 15,
@@ -54,10 +53,15 @@ SETTINGS = {
         "max_new_tokens": 12,
         "num_return_sequences": 2,
     },
-    "two_beams_ngram_1": {"num_beams": 2, "no_repeat_ngram_size": 1, "max_new_tokens": 10},
+    "two_beams_penalty_half_ngram_1": {
+        "num_beams": 2,
+        "length_penalty": 0.5,
+        "no_repeat_ngram_size": 1,
+        "max_new_tokens": 10,
+    },
 }
 # The settings in which max_new_tokens cuts some of the hypotheses compared.
-CUT = {"defaults", "negative_penalty_min_length", "two_beams_ngram_1"}
+CUT = {"defaults", "never_ngram_2", "negative_penalty_min_length"}
 # How far the end-of-sequence token's output row moves along the decoder's
 # mean output: the random model then ends some hypotheses after 0 to 19
 # tokens and runs others to max_new_tokens (unmoved, none ends).
