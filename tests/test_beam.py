@@ -384,3 +384,16 @@ def test_bad_beam_flags_get_one_line(flags, message, ending, capsys):
     assert status != 0 and not out
     lines = [line for line in err.splitlines() if not line.startswith("Loading")]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+@pytest.mark.parametrize(
+    "field, value", [("num_beams", 4), ("best_of", 4), ("n", 4), ("num_return_sequences", 2)]
+)
+def test_the_server_refuses_beam_search_naming_the_field(field, value):
+    from protocol import RequestError, parse_completion
+
+    with pytest.raises(RequestError) as refused:
+        parse_completion({"prompt": "the sea", field: value}, 100, "t5")
+    assert refused.value.status == 400 and refused.value.param == field
+    assert field in refused.value.message
+    parse_completion({"prompt": "the sea", "num_beams": 1}, 100, "t5")  # as if absent
