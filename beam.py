@@ -24,6 +24,8 @@ once for its N beams (``DecoderCache``'s ``beams``).
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -118,14 +120,19 @@ class PromptBeams:
 
     sequences: list[list[int]]
     scores: np.ndarray  # float32 [num_beams]
+    started: float  # time.perf_counter() when its prompt's encoding began
+    prompt_time: float  # seconds encoding it (its share of its joining pass)
     finished: list[Hypothesis] = dataclasses.field(default_factory=list)
+    steps: int = 0  # decoder passes
     done: bool = False
 
     @classmethod
-    def start(cls, start_token: int, num_beams: int) -> PromptBeams:
+    def start(
+        cls, start_token: int, num_beams: int, started: float, prompt_time: float
+    ) -> PromptBeams:
         scores = np.full(num_beams, NO_BEAM, np.float32)
         scores[0] = 0.0
-        return cls([[start_token] for _ in range(num_beams)], scores)
+        return cls([[start_token] for _ in range(num_beams)], scores, started, prompt_time)
 
     def banned(self, options: BeamOptions, eos: int) -> list[tuple[int, int]]:
         """(beam, token) pairs no beam may take next: tokens that would
@@ -159,6 +166,7 @@ class PromptBeams:
         whether the search ended; returns each new beam's parent."""
         num_beams = options.num_beams
         length = len(self.sequences[0])  # tokens generated once this step's are added
+        self.steps = length
         at_limit = length >= max_tokens
         ends = [at_limit or token == eos for token in tokens.tolist()]
         for k in range(num_beams):
@@ -204,18 +212,33 @@ def start_cache(model: T5, prompts: Sequence[Sequence[int]], num_beams: int) -> 
 
 
 def beam_search(
-    model: T5, cache: DecoderCache, num_prompts: int, max_tokens: int, options: BeamOptions
-) -> Iterator[tuple[int, list[Hypothesis], int]]:
-    """Beam search over the ``num_prompts`` prompts of ``cache``
-    (``start_cache``) together, at most ``max_tokens`` new tokens each;
-    yields ``(index, hypotheses, steps)`` as each prompt's search ends: its
-    ``num_return_sequences`` best hypotheses, best first, and the decoder
-    passes it took."""
+    model: T5,
+    prompts: Sequence[Sequence[int]],
+    batch_size: int,
+    max_tokens: int,
+    options: BeamOptions,
+) -> Iterator[tuple[int, PromptBeams]]:
+    """Beam search over ``prompts`` (token ids), at most ``max_tokens`` new
+    tokens each, ``batch_size`` prompts decoded together (N rows each): a
+    prompt whose search ends leaves the batch, and the next waiting prompt
+    (in the order given) joins it. Yields ``(index, search)`` as each
+    prompt's search ends (its ``finished`` hypotheses, best first)."""
     num_beams, eos = options.num_beams, model.args.eos_token_id
     start_token = model.args.decoder_start_token_id
-    searches = [PromptBeams.start(start_token, num_beams) for _ in range(num_prompts)]
-    active = list(range(num_prompts))  # the prompts in the batch, in its order
-    while active:
+    waiting = deque(range(len(prompts)))
+    searches: dict[int, PromptBeams] = {}
+    active: list[int] = []  # the prompts in the batch, in its order
+    cache = None
+    while active or waiting:
+        joining = [waiting.popleft() for _ in range(min(len(waiting), batch_size - len(active)))]
+        if joining:
+            started = time.perf_counter()
+            fresh = start_cache(model, [prompts[i] for i in joining], num_beams)
+            cache = fresh if cache is None else cache.add_prompts(fresh)
+            seconds = (time.perf_counter() - started) / len(joining)
+            for i in joining:
+                searches[i] = PromptBeams.start(start_token, num_beams, started, seconds)
+            active += joining
         last = [sequence[-1] for j in active for sequence in searches[j].sequences]
         logits = model.decode(mx.array(last)[:, None], cache)[:, -1].astype(mx.float32)
         log_probs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -232,18 +255,19 @@ def beam_search(
         scores, flat = best_continuations(totals, 2 * num_beams)
         vocab_size = log_probs.shape[-1]
         parents = []
-        steps = len(searches[active[0]].sequences[0])  # decoder passes, this one included
         for i, j in enumerate(active):
             search = searches[j]
             beams, tokens = np.divmod(flat[i], vocab_size)
             chosen = search.advance(scores[i], beams, tokens, options, max_tokens, eos)
             if search.done:
-                yield j, search.finished[: options.num_return_sequences], steps
+                yield j, searches.pop(j)
             else:
                 parents += [i * num_beams + beam for beam in chosen]
-        active = [j for j in active if not searches[j].done]
+        active = [j for j in active if j in searches]
         if active:
             cache.take_beams(parents)
+        else:
+            cache = None
 
 
 def best_continuations(totals: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -278,6 +278,26 @@ class DecoderCache:
         for cache in self.self_attn:
             cache.keep_rows(rows)
 
+    def add_prompts(self, cache: DecoderCache) -> DecoderCache:
+        """This cache with the prompts of the fresh ``cache`` (of as many
+        beams) after its own, their rows with no decoder positions; the
+        cross-attention takes the width of the longest prompt."""
+        width = max(self.cross_buffers[0][0].shape[2], cache.cross_buffers[0][0].shape[2])
+        self.cross_buffers = [
+            tuple(
+                mx.concatenate([pad_to(old, width, 2), pad_to(new, width, 2)])
+                for old, new in zip(pair, new_pair)
+            )
+            for pair, new_pair in zip(self.cross_keys_values, cache.cross_keys_values)
+        ]
+        first = len(self.prompt_lengths) * self.beams
+        self.prompt_lengths = self.prompt_lengths + cache.prompt_lengths
+        self._update_memory_mask()
+        rows = list(range(first, len(self.prompt_lengths) * self.beams))
+        for layer_cache in self.self_attn:
+            layer_cache.admit(rows)
+        return self
+
     def take_beams(self, parents: list[int]) -> None:
         """Beam search's step: row i takes the decoder positions of row
         ``parents[i]``, a row of the same prompt. The prompts whose rows no

@@ -20,7 +20,7 @@ import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from auto import Auto
-from beam import BeamOptions, BeamSearchResult, beam_search, start_cache
+from beam import BeamOptions, BeamSearchResult, beam_search
 from cache import DecoderCache
 from detokenizer import byte_piece_ids
 from distributed import shared_draft_length
@@ -230,10 +230,11 @@ class SpeculativeDecoder:
     def beam_search_batch(
         self, prompts: Sequence[str | Sequence[int]], *, batch_size: int = 8, **options
     ) -> Iterator[tuple[int, BeamSearchResult]]:
-        """Beam search over ``prompts``, ``batch_size`` prompts at a time
-        (``num_beams`` rows each), as ``options`` say: ``beam.BeamOptions``'
-        fields, and ``Options``' max_tokens (temp must be 0: beam search is
-        deterministic here; transformers would sample beams). Yields
+        """Beam search over ``prompts``, ``batch_size`` prompts decoded
+        together (``num_beams`` rows each; a prompt whose search ends leaves
+        the batch and a waiting one takes its place), as ``options`` say:
+        ``beam.BeamOptions``' fields, and ``Options``' max_tokens (temp must
+        be 0: this beam search does not sample; transformers' would). Yields
         ``(index, result)`` as each prompt's search ends, taking the prompts
         longest first within each run of ``SORT_WINDOW * batch_size``."""
         options, beams = split_options(options)
@@ -243,31 +244,29 @@ class SpeculativeDecoder:
             raise ValueError("prompts must be a non-empty list of prompts")
         ids = [self.prompt_ids(prompt) for prompt in prompts]
         order = longest_first(ids, SORT_WINDOW * batch_size)
-        for first in range(0, len(order), batch_size):
-            group = order[first : first + batch_size]
-            start = time.perf_counter()
-            cache = start_cache(self.model, [ids[i] for i in group], beams.num_beams)
-            prompt_time = (time.perf_counter() - start) / len(group)
-            searches = beam_search(self.model, cache, len(group), options.max_tokens, beams)
-            for j, hypotheses, steps in searches:
-                texts = [
-                    self.tokenizer.decode(hypothesis.tokens, skip_special_tokens=True)
-                    for hypothesis in hypotheses
-                ]
-                yield (
-                    group[j],
-                    BeamSearchResult(
-                        hypotheses[0].tokens,
-                        texts[0],
-                        n_steps=steps,
-                        prompt_tokens=len(ids[group[j]]),
-                        prompt_time=prompt_time,
-                        elapsed=time.perf_counter() - start,
-                        finished=True,
-                        sequences=hypotheses,
-                        texts=texts,
-                    ),
-                )
+        searches = beam_search(
+            self.model, [ids[i] for i in order], batch_size, options.max_tokens, beams
+        )
+        for j, search in searches:
+            hypotheses = search.finished[: beams.num_return_sequences]
+            texts = [
+                self.tokenizer.decode(hypothesis.tokens, skip_special_tokens=True)
+                for hypothesis in hypotheses
+            ]
+            yield (
+                order[j],
+                BeamSearchResult(
+                    hypotheses[0].tokens,
+                    texts[0],
+                    n_steps=search.steps,
+                    prompt_tokens=len(ids[order[j]]),
+                    prompt_time=search.prompt_time,
+                    elapsed=time.perf_counter() - search.started,
+                    finished=True,
+                    sequences=hypotheses,
+                    texts=texts,
+                ),
+            )
 
     def speculative_decode(self, prompt: str | Sequence[int], **options) -> GenerationResult:
         """Speculative decoding; same arguments as ``generate``."""
