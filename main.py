@@ -109,7 +109,8 @@ def build_parser() -> ArgumentParser:
         "--max-tokens",
         "-m",
         type=POSITIVE,
-        help=f"most tokens to generate (default: {DEFAULT_MAX_TOKENS}, or the --task's)",
+        help="most tokens to generate; with --task, the task's max_length less one "
+        f"(default: {DEFAULT_MAX_TOKENS})",
     )
     add(
         "--temp",
