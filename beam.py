@@ -15,7 +15,7 @@ A prompt keeps its N best finished hypotheses; its search ends, as
 ``early_stopping`` says, once N have finished (True), or once its best beam
 could no longer beat the worst of them (False: at the beam's current length;
 "never": at the longest length it may reach when ``length_penalty`` > 0).
-A prompt whose search ended leaves the batch; the others go on.
+A prompt whose search ended leaves the batch, and a waiting prompt joins it.
 
 A prompt's encoder output and keys and values of cross-attention are held
 once for its N beams (``DecoderCache``'s ``beams``).

@@ -225,6 +225,7 @@ class SpeculativeDecoder:
         then a ``beam.BeamSearchResult``."""
         if options.get("num_beams", 1) != 1:
             return self.generate_batch([prompt], batch_size=1, **options)[0]
+        options = without_beams(options)
         return deque(self.stream(prompt, speculative=False, **options), maxlen=1)[0]
 
     def beam_search_batch(
@@ -280,6 +281,7 @@ class SpeculativeDecoder:
         (``beam_search_batch``); results in input order."""
         if options.get("num_beams", 1) != 1:
             return _finished(self.beam_search_batch(prompts, batch_size=batch_size, **options))
+        options = without_beams(options)
         return _finished(
             self.stream_batch(prompts, speculative=False, batch_size=batch_size, **options)
         )
@@ -308,6 +310,16 @@ def split_options(options: dict) -> tuple[Options, BeamOptions]:
     names = {field.name for field in dataclasses.fields(BeamOptions)}
     beams = BeamOptions(**{name: value for name, value in options.items() if name in names})
     return as_options({k: v for k, v in options.items() if k not in names}), beams
+
+
+def without_beams(options: dict) -> dict:
+    """A call's keyword arguments less ``num_beams`` 1; ``ValueError`` for
+    another beam option (with one beam, decoding is regular)."""
+    options = {name: value for name, value in options.items() if name != "num_beams"}
+    names = {field.name for field in dataclasses.fields(BeamOptions)} & options.keys()
+    if names:
+        raise ValueError(f"{min(names)} goes with beam search: give num_beams > 1")
+    return options
 
 
 def _finished(results: Iterator[tuple[int, GenerationResult]]) -> list[GenerationResult]:

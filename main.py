@@ -253,6 +253,8 @@ def resolve_beams(args: argparse.Namespace) -> None:
             f"--num-return-sequences {args.num_return_sequences} is more than the "
             f"{args.num_beams} beams (--num-beams)"
         )
+    if args.num_beams > 1 and args.show_draft:
+        raise ValueError("--show-draft colours draft tokens; beam search (--num-beams) has none")
     if args.num_beams > 1 and args.temp > 0:
         raise ValueError(
             "beam search (--num-beams > 1) does not sample: give --temp 0, or no --num-beams"

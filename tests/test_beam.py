@@ -257,6 +257,8 @@ def test_bad_beam_options_are_refused(ending):
         ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping must be"),
         ({"num_beams": 2, "no_repeat_ngram_size": -1}, "no_repeat_ngram_size must be"),
         ({"num_beams": 2, "temp": 0.5}, "does not sample"),
+        ({"num_beams": 1, "length_penalty": 2.0}, "length_penalty goes with beam search"),
+        ({"no_repeat_ngram_size": 3}, "no_repeat_ngram_size goes with beam search"),
     ]:
         with pytest.raises(ValueError, match=message):
             decoder.generate(PROMPTS[0], **options)
@@ -375,6 +377,7 @@ def test_with_a_draft_model_beams_run_plain_and_say_so_once(ending, converted_pa
         (["--num-beams", "2", "--temp", "0.5"], "does not sample"),
         (["--length-penalty", "2"], "--length-penalty goes with beam search"),
         (["--early-stopping", "maybe"], "'maybe' is not true, false or never"),
+        (["--num-beams", "2", "--show-draft"], "--show-draft colours draft tokens"),
     ],
 )
 def test_bad_beam_flags_get_one_line(flags, message, ending, capsys):
