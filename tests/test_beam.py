@@ -354,6 +354,10 @@ def test_output_holds_each_prompts_sequences_and_scores(ending, hf_ending, tmp_p
             )
         assert record["text"] == record["sequences"][0]["text"]
         assert record["score"] == record["sequences"][0]["score"]
+    # Without --output, standard output has each prompt's best text, a line each, in order.
+    status, out, err = run_main([*argv[:-2], *beams, "--draft-model-name", "none"], capsys)
+    assert status == 0, err
+    assert out.splitlines() == [record["text"] for record in records]
 
 
 def test_with_a_draft_model_beams_run_plain_and_say_so_once(ending, converted_pair, capsys):
