@@ -442,7 +442,10 @@ def generate(args: argparse.Namespace, group) -> int:
     resolve_beams(args)
     if args.num_beams > 1:
         if group is not None or args.data_parallel:
-            raise ValueError("beam search runs in one process: not in a group (mlx.launch)")
+            raise ValueError(
+                "beam search runs in one process: not with --data-parallel nor in a group "
+                "(mlx.launch)"
+            )
         if draft_model_name(args) is not None or (args.prompt_lookup and not args.regular_decode):
             print(
                 "note: beam search (--num-beams > 1) runs with the main model alone: "

@@ -404,3 +404,14 @@ def test_the_server_refuses_beam_search_naming_the_field(field, value):
     assert refused.value.status == 400 and refused.value.param == field
     assert field in refused.value.message
     parse_completion({"prompt": "the sea", "num_beams": 1}, 100, "t5")  # as if absent
+
+
+def test_beams_with_data_parallel_get_one_line(ending, tmp_path, capsys):
+    directory, _ = ending
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the sea\n")
+    argv = ["--model-name", str(directory), "--prompts", str(prompts), "--num-beams", "2"]
+    status, out, err = run_main([*argv, "--data-parallel", "--regular-decode"], capsys)
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "Traceback"))]
+    assert status == 1 and not out and len(lines) == 1, err
+    assert lines[0].startswith("error: beam search runs in one process: not with --data-parallel")
