@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import beam
 import convert
 import main as main_module
-from beam import start_cache
+from beam import BeamOptions, start_cache
 from decoder import SpeculativeDecoder
 from loading import load_model, load_tokenizer
 
@@ -193,21 +193,27 @@ def test_beam_search_equals_transformers(name, ending, hf_ending, gaps):
     assert ended and (cut or name not in CUT), (ended, cut)
 
 
-def test_batched_beams_equal_each_prompt_alone(ending):
+@pytest.mark.parametrize("longest_first", [True, False])
+def test_batched_beams_equal_each_prompt_alone(longest_first, ending):
     """Prompts of different lengths, whose searches end at different steps,
-    batched 3 at a time: each prompt's hypotheses are its own alone."""
+    batched 2 at a time, the others joining as searches end (longest first,
+    as the API takes them, or shortest first, each joining prompt wider than
+    the batch): each prompt's hypotheses are its own alone."""
     _, decoder = ending
     settings = our_settings(SETTINGS["early_true_penalty_2_ngram_3"])
-    batched = decoder.generate_batch(PROMPTS, batch_size=3, **settings)
+    options = BeamOptions(**{k: v for k, v in settings.items() if k != "max_tokens"})
+    ids = sorted(map(decoder.prompt_ids, PROMPTS), key=len, reverse=longest_first)
+    searches = dict(beam.beam_search(decoder.model, ids, 2, settings["max_tokens"], options))
     steps = set()
-    for prompt, result in zip(PROMPTS, batched, strict=True):
+    for i, prompt in enumerate(ids):
         alone = decoder.generate(prompt, **settings)
-        assert [h.tokens for h in result.sequences] == [h.tokens for h in alone.sequences]
-        assert [h.score for h in result.sequences] == pytest.approx(
+        batched = searches[i].finished[: options.num_return_sequences]
+        assert [h.tokens for h in batched] == [h.tokens for h in alone.sequences]
+        assert [h.score for h in batched] == pytest.approx(
             [h.score for h in alone.sequences], abs=1e-5
         )
-        assert result.n_steps == alone.n_steps
-        steps.add(result.n_steps)
+        assert searches[i].steps == alone.n_steps
+        steps.add(alone.n_steps)
     assert len(steps) > 1  # prompts left the batch while others went on
 
 
