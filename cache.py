@@ -181,8 +181,13 @@ class DecoderCache:
         self,
         cross_keys_values: list[tuple[mx.array, mx.array]],
         prompt_lengths: list[int],
+        beams: int = 1,
     ):
-        self.self_attn = [KVCache(len(prompt_lengths)) for _ in cross_keys_values]
+        # Beam search decodes ``beams`` rows per prompt, the rows of prompt j
+        # being j * beams .. (j + 1) * beams - 1; they share its keys and
+        # values of cross-attention, held once (see ``DecoderLayer``).
+        self.beams = beams
+        self.self_attn = [KVCache(len(prompt_lengths) * beams) for _ in cross_keys_values]
         # Per layer, [rows held, heads, prompt width, d_kv]: the batch is
         # the first len(prompt_lengths) rows, as in KVCache.
         self.cross_buffers = cross_keys_values
@@ -272,6 +277,43 @@ class DecoderCache:
         self._update_memory_mask()
         for cache in self.self_attn:
             cache.keep_rows(rows)
+
+    def add_prompts(self, cache: DecoderCache) -> DecoderCache:
+        """This cache with the prompts of the fresh ``cache`` (of as many
+        beams) after its own, their rows with no decoder positions; the
+        cross-attention takes the width of the longest prompt."""
+        width = max(self.cross_buffers[0][0].shape[2], cache.cross_buffers[0][0].shape[2])
+        self.cross_buffers = [
+            tuple(
+                mx.concatenate([pad_to(old, width, 2), pad_to(new, width, 2)])
+                for old, new in zip(pair, new_pair)
+            )
+            for pair, new_pair in zip(self.cross_keys_values, cache.cross_keys_values)
+        ]
+        first = len(self.prompt_lengths) * self.beams
+        self.prompt_lengths = self.prompt_lengths + cache.prompt_lengths
+        self._update_memory_mask()
+        rows = list(range(first, len(self.prompt_lengths) * self.beams))
+        for layer_cache in self.self_attn:
+            layer_cache.admit(rows)
+        return self
+
+    def take_beams(self, parents: list[int]) -> None:
+        """Beam search's step: row i takes the decoder positions of row
+        ``parents[i]``, a row of the same prompt. The prompts whose rows no
+        parent names leave the batch (their search ended); the others keep
+        their order."""
+        prompts = sorted({parent // self.beams for parent in parents})
+        if prompts != list(range(len(self.prompt_lengths))):
+            self.cross_buffers = [
+                (keys[mx.array(prompts)], values[mx.array(prompts)])
+                for keys, values in self.cross_buffers
+            ]
+            self.prompt_lengths = [self.prompt_lengths[j] for j in prompts]
+            self._fit_width()
+            self._update_memory_mask()
+        for cache in self.self_attn:
+            cache.keep_rows(parents)
 
     def _fit_width(self) -> None:
         """Cut the cross-attention buffers to the longest prompt of the

@@ -234,6 +234,12 @@ class JsonLines:
             "n_draft": result.n_draft,
             "seed": result.seed,
         }
+        if hasattr(result, "sequences"):  # beam search's best hypotheses (beam.BeamSearchResult)
+            record["score"] = float(result.sequences[0].score)
+            record["sequences"] = [
+                {"text": text, "tokens": hypothesis.tokens, "score": float(hypothesis.score)}
+                for text, hypothesis in zip(result.texts, result.sequences, strict=True)
+            ]
         self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.file.flush()
 

@@ -510,6 +510,8 @@ def convert(
     config = model_config(hf_config, "lm_head.weight" in tensors)
     check_shapes(checkpoint, config, tensors)
     config["dtype"] = dtype  # for main.py's memory estimate; loading reads the weights' own
+    if "task_specific_params" in hf_config:  # main.py --task: each task's prefix, beams, lengths
+        config["task_specific_params"] = hf_config["task_specific_params"]
     # Marks the output as convert.py's (see cli.written_by_convert) and names its source.
     config["converted_from"] = str(Path(model).resolve()) if Path(model).is_dir() else model
     layers = set()

@@ -9,7 +9,9 @@ decoder from converted models.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
@@ -18,6 +20,7 @@ import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 
 from auto import Auto
+from beam import BeamOptions, BeamSearchResult, beam_search
 from cache import DecoderCache
 from detokenizer import byte_piece_ids
 from distributed import shared_draft_length
@@ -219,8 +222,54 @@ class SpeculativeDecoder:
 
     def generate(self, prompt: str | Sequence[int], **options) -> GenerationResult:
         """Regular decoding with the main model alone, as ``options`` say
-        (``Options``' fields: max_tokens, temp, top_p, top_k, seed)."""
+        (``Options``' fields: max_tokens, temp, top_p, top_k, seed), or
+        with ``num_beams`` > 1 beam search (``beam_search_batch``'s options):
+        then a ``beam.BeamSearchResult``."""
+        if options.get("num_beams", 1) != 1:
+            return self.generate_batch([prompt], batch_size=1, **options)[0]
+        options = without_beams(options)
         return deque(self.stream(prompt, speculative=False, **options), maxlen=1)[0]
+
+    def beam_search_batch(
+        self, prompts: Sequence[str | Sequence[int]], *, batch_size: int = 8, **options
+    ) -> Iterator[tuple[int, BeamSearchResult]]:
+        """Beam search over ``prompts``, ``batch_size`` prompts decoded
+        together (``num_beams`` rows each; a prompt whose search ends leaves
+        the batch and a waiting one takes its place), as ``options`` say:
+        ``beam.BeamOptions``' fields, and ``Options``' max_tokens (temp must
+        be 0: this beam search does not sample; transformers' would). Yields
+        ``(index, result)`` as each prompt's search ends, taking the prompts
+        longest first within each run of ``SORT_WINDOW * batch_size``."""
+        options, beams = split_options(options)
+        if options.temp > 0:
+            raise ValueError("beam search does not sample: temp must be 0 with num_beams > 1")
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list of prompts")
+        ids = [self.prompt_ids(prompt) for prompt in prompts]
+        order = longest_first(ids, SORT_WINDOW * batch_size)
+        searches = beam_search(
+            self.model, [ids[i] for i in order], batch_size, options.max_tokens, beams
+        )
+        for j, search in searches:
+            hypotheses = search.finished[: beams.num_return_sequences]
+            texts = [
+                self.tokenizer.decode(hypothesis.tokens, skip_special_tokens=True)
+                for hypothesis in hypotheses
+            ]
+            yield (
+                order[j],
+                BeamSearchResult(
+                    hypotheses[0].tokens,
+                    texts[0],
+                    n_steps=search.steps,
+                    prompt_tokens=len(ids[order[j]]),
+                    prompt_time=search.prompt_time,
+                    elapsed=time.perf_counter() - search.started,
+                    finished=True,
+                    sequences=hypotheses,
+                    texts=texts,
+                ),
+            )
 
     def speculative_decode(self, prompt: str | Sequence[int], **options) -> GenerationResult:
         """Speculative decoding; same arguments as ``generate``."""
@@ -230,7 +279,11 @@ class SpeculativeDecoder:
         self, prompts: Sequence[str | Sequence[int]], batch_size: int = 8, **options
     ) -> list[GenerationResult]:
         """Regular decoding of every prompt, ``batch_size`` at a time, as
-        ``options`` say; results in input order."""
+        ``options`` say, or with ``num_beams`` > 1 beam search
+        (``beam_search_batch``); results in input order."""
+        if options.get("num_beams", 1) != 1:
+            return _finished(self.beam_search_batch(prompts, batch_size=batch_size, **options))
+        options = without_beams(options)
         return _finished(
             self.stream_batch(prompts, speculative=False, batch_size=batch_size, **options)
         )
@@ -252,6 +305,23 @@ def as_options(options: dict) -> Options:
             raise TypeError("give options= an Options, or Options' fields, not both")
         return options["options"]
     return Options(**options)
+
+
+def split_options(options: dict) -> tuple[Options, BeamOptions]:
+    """The ``Options`` and the ``BeamOptions`` of a call's keyword arguments."""
+    names = {field.name for field in dataclasses.fields(BeamOptions)}
+    beams = BeamOptions(**{name: value for name, value in options.items() if name in names})
+    return as_options({k: v for k, v in options.items() if k not in names}), beams
+
+
+def without_beams(options: dict) -> dict:
+    """A call's keyword arguments less ``num_beams`` 1; ``ValueError`` for
+    another beam option (with one beam, decoding is regular)."""
+    options = {name: value for name, value in options.items() if name != "num_beams"}
+    names = {field.name for field in dataclasses.fields(BeamOptions)} & options.keys()
+    if names:
+        raise ValueError(f"{min(names)} goes with beam search: give num_beams > 1")
+    return options
 
 
 def _finished(results: Iterator[tuple[int, GenerationResult]]) -> list[GenerationResult]:

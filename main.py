@@ -64,6 +64,7 @@ DEFAULT_PROMPT = (
     "for repairs, so we took the ferry to the market."
 )
 DEFAULT_BATCH_SIZE = 8
+DEFAULT_MAX_TOKENS = 100
 
 
 def build_parser() -> ArgumentParser:
@@ -104,7 +105,13 @@ def build_parser() -> ArgumentParser:
         "prompt is done (so in completion order); nothing then goes to standard output",
     )
     add_drafting_options(parser, num_draft_default=5)
-    add("--max-tokens", "-m", type=POSITIVE, default=100, help="most tokens to generate")
+    add(
+        "--max-tokens",
+        "-m",
+        type=POSITIVE,
+        help="most tokens to generate; with --task, the task's max_length less one "
+        f"(default: {DEFAULT_MAX_TOKENS})",
+    )
     add(
         "--temp",
         type=checked(float, lambda t: t >= 0, ">= 0"),
@@ -125,6 +132,7 @@ def build_parser() -> ArgumentParser:
         "in the summary)",
     )
     add("--regular-decode", action="store_true", help="decode with the main model alone")
+    add_beam_options(parser)
     add(
         "--data-parallel",
         action="store_true",
@@ -134,6 +142,136 @@ def build_parser() -> ArgumentParser:
     )
     add("--show-draft", action="store_true", help="colour accepted draft tokens on a terminal")
     return parser
+
+
+def add_beam_options(parser: ArgumentParser) -> None:
+    """--num-beams and the options of beam search, and --task."""
+    add = parser.add_argument
+    add(
+        "--num-beams",
+        type=POSITIVE,
+        metavar="N",
+        help="beam search with N beams, with the main model alone, as transformers' generate "
+        "(default: 1, no beam search, or the --task's)",
+    )
+    add(
+        "--num-return-sequences",
+        type=POSITIVE,
+        metavar="K",
+        help="with --num-beams: the K best hypotheses (K <= N), each on a line, or with "
+        "--output in each record's sequences, with its score (default: 1)",
+    )
+    add(
+        "--length-penalty",
+        type=float,
+        help="with --num-beams: a finished hypothesis scores its summed log-probabilities "
+        "over its length to this power (default: 1.0, or the --task's)",
+    )
+    add(
+        "--early-stopping",
+        type=early_stopping,
+        metavar="{true,false,never}",
+        help="with --num-beams: a prompt's search ends once N hypotheses finished (true), "
+        "once its best beam cannot beat them at its length (false), or at any length "
+        "(never) (default: false, or the --task's)",
+    )
+    add(
+        "--no-repeat-ngram-size",
+        type=NON_NEGATIVE,
+        metavar="N",
+        help="with --num-beams: no n-gram of N tokens occurs twice (0: off; default: 0, or "
+        "the --task's)",
+    )
+    add(
+        "--task",
+        metavar="NAME",
+        help="the model's settings for task NAME (its config's task_specific_params, e.g. "
+        "summarization, translation_en_to_de): the prompts' prefix, beams and lengths, as "
+        "transformers' pipelines apply them; a flag given wins",
+    )
+
+
+def early_stopping(text: str) -> bool | str:
+    """An argparse type: --early-stopping's true, false or never."""
+    values = {"true": True, "false": False, "never": "never"}
+    if text.lower() not in values:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true, false or never")
+    return values[text.lower()]
+
+
+# The beam settings a task may give (transformers' names are the flags'),
+# those that only beam search takes, and the defaults of all.
+BEAM_SETTINGS = ("num_beams", "length_penalty", "early_stopping", "no_repeat_ngram_size")
+BEAM_ONLY = ("num_return_sequences", "length_penalty", "early_stopping", "no_repeat_ngram_size")
+BEAM_DEFAULTS = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "length_penalty": 1.0,
+    "early_stopping": False,
+    "no_repeat_ngram_size": 0,
+}
+
+
+def task_settings(config: dict, task: str) -> dict:
+    """The settings of ``task`` in a converted model's ``config``; ``ValueError``
+    naming the model's tasks if it has no such task."""
+    tasks = config.get("task_specific_params") or {}
+    if task not in tasks:
+        known = ", ".join(sorted(tasks)) if tasks else "none"
+        raise ValueError(f"--task {task}: the model has no such task (its tasks: {known})")
+    return tasks[task]
+
+
+def apply_task(args: argparse.Namespace, settings: dict) -> None:
+    """Fill in from a task's ``settings`` the flags not given (beams, lengths),
+    as transformers' pipelines do: its max_length and min_length count the
+    decoder's start token."""
+    for name in BEAM_SETTINGS:
+        if getattr(args, name) is None and name in settings:
+            setattr(args, name, settings[name])
+    if args.max_tokens is None and "max_length" in settings:
+        args.max_tokens = max(1, settings["max_length"] - 1)
+    if "min_length" in settings:
+        args.min_tokens = max(0, settings["min_length"] - 1)
+
+
+def resolve_beams(args: argparse.Namespace) -> None:
+    """Fill in the beam settings no flag or task gave, and refuse those that
+    do not go together (``ValueError``: one line)."""
+    for name, default in BEAM_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.max_tokens is None:
+        args.max_tokens = DEFAULT_MAX_TOKENS
+    if args.num_beams == 1:
+        args.min_tokens = 0  # a task's, for its beams
+        if args.beam_flags:
+            flag = "--" + args.beam_flags[0].replace("_", "-")
+            raise ValueError(f"{flag} goes with beam search: add --num-beams N (N > 1)")
+    if args.num_return_sequences > args.num_beams:
+        raise ValueError(
+            f"--num-return-sequences {args.num_return_sequences} is more than the "
+            f"{args.num_beams} beams (--num-beams)"
+        )
+    if args.num_beams > 1 and args.show_draft:
+        raise ValueError("--show-draft colours draft tokens; beam search (--num-beams) has none")
+    if args.num_beams > 1 and args.temp > 0:
+        raise ValueError(
+            "beam search (--num-beams > 1) does not sample: give --temp 0, or no --num-beams"
+        )
+
+
+def beam_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``SpeculativeDecoder.beam_search_batch`` that ``args`` give."""
+    return {
+        "max_tokens": args.max_tokens,
+        "num_beams": args.num_beams,
+        "num_return_sequences": args.num_return_sequences,
+        "length_penalty": args.length_penalty,
+        "early_stopping": args.early_stopping,
+        "no_repeat_ngram_size": args.no_repeat_ngram_size,
+        "min_tokens": args.min_tokens or 0,
+    }
 
 
 def drafting_summary(result, drafting: str, num_draft: int | str) -> str:
@@ -293,8 +431,28 @@ def generate(args: argparse.Namespace, group) -> int:
     import mlx.core as mx
 
     from distributed import rank_zero_seed
-    from loading import load_checked, load_tokenizer, model_paths
+    from layout import read_config
+    from loading import load_checked, load_tokenizer, model_paths, resolve_model
     from sampling import draw_seed
+
+    if args.task is not None:
+        settings = task_settings(read_config(resolve_model(args.model_name)), args.task)
+        apply_task(args, settings)
+        prompts = [settings.get("prefix", "") + prompt for prompt in prompts]
+    resolve_beams(args)
+    if args.num_beams > 1:
+        if group is not None or args.data_parallel:
+            raise ValueError(
+                "beam search runs in one process: not with --data-parallel nor in a group "
+                "(mlx.launch)"
+            )
+        if draft_model_name(args) is not None or (args.prompt_lookup and not args.regular_decode):
+            print(
+                "note: beam search (--num-beams > 1) runs with the main model alone: "
+                "no draft model, no prompt lookup",
+                file=sys.stderr,
+            )
+        args.regular_decode = True
 
     if args.seed is None:  # drawn, so that the summary can name it
         args.seed = draw_seed() if group is None else rank_zero_seed(draw_seed(), group)
@@ -314,7 +472,7 @@ def generate(args: argparse.Namespace, group) -> int:
         paths,
         prompt_tokens=longest,
         max_tokens=args.max_tokens,
-        batch_size=batch_size,
+        batch_size=batch_size * args.num_beams,
         group=None if args.data_parallel else group,  # the main model split across it
         tokenizer=tokenizer,
         num_draft=args.num_draft,
@@ -402,6 +560,8 @@ def generate_one(args: argparse.Namespace, decoder, prompt: str, group=None) -> 
     """Stream the text for ``prompt`` to standard output, then the summary to
     standard error; the exit status (130: interrupted). ``group``: the
     processes the main model is split across, or None."""
+    if args.num_beams > 1:
+        return beam_search_one(args, decoder, prompt)
     # Colour codes only for a terminal: redirected output stays plain text.
     show_draft = args.show_draft and sys.stdout.isatty()
 
@@ -434,6 +594,25 @@ def generate_one(args: argparse.Namespace, decoder, prompt: str, group=None) -> 
     if result is not None:
         print_summary(result, decoder.drafting, args.num_draft, sampled=args.temp > 0)
     return exit_status(stopped)
+
+
+def beam_search_one(args: argparse.Namespace, decoder, prompt: str) -> int:
+    """Beam search for ``prompt``: its best hypotheses' texts to standard
+    output, a line each (``cli.one_line``) if more than one, then the summary."""
+    from cli import one_line
+
+    try:  # Ctrl-C stops the search: there is no text before it ends
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        [(_, result)] = decoder.beam_search_batch([prompt], batch_size=1, **beam_options(args))
+    except KeyboardInterrupt as stopped:
+        say_interrupted(stopped)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, stop_at_once)
+    texts = result.texts
+    print("\n".join(map(one_line, texts)) if len(texts) > 1 else texts[0])
+    print_summary(result, "none", args.num_draft)
+    return 0
 
 
 def stopping(error: BaseException, group) -> BaseException:
@@ -494,7 +673,11 @@ def generate_all(args: argparse.Namespace, decoder, prompts: list[str], group=No
                 "batch_size": args.batch_size,
                 "prompt_progress": progress,
             }
-            if args.data_parallel and group is not None:
+            if args.num_beams > 1:
+                events = decoder.beam_search_batch(
+                    prompts, batch_size=args.batch_size, **beam_options(args)
+                )
+            elif args.data_parallel and group is not None:
                 events = data_parallel_stream(decoder, prompts, options_of(args), group, **how)
             else:
                 events = decoder.stream_batch(prompts, options=options_of(args), **how)
@@ -551,7 +734,16 @@ def main(argv: list[str] | None = None) -> int:
 def check_arguments(parser: ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse (``parser.error``) arguments that do not go together; fill in
     the defaults that depend on --prompts."""
-    if args.draft_model_name == "none" and not args.prompt_lookup and not args.regular_decode:
+    # What no flag or task gives is filled in once the task is read (resolve_beams).
+    args.beam_flags = [name for name in BEAM_ONLY if getattr(args, name) is not None]
+    args.min_tokens = 0
+    beams = args.task is not None or (args.num_beams is not None and args.num_beams > 1)
+    if (
+        args.draft_model_name == "none"
+        and not args.prompt_lookup
+        and not args.regular_decode
+        and not beams
+    ):
         parser.error(
             "--draft-model-name none leaves nothing to draft with: add --prompt-lookup N "
             "(N >= 1), or use --regular-decode"

@@ -508,7 +508,10 @@ class DecoderLayer(nn.Module):
         keys, values = cache.update_and_fetch(keys, values)
         heads = self.self_attn.heads_side_by_side(queries, keys, values, self_mask)
         x, queries = self.after_self_attention(x, heads.reshape(batch * length, -1))
-        queries = self.cross_attn.split_heads(queries.reshape(batch, length, -1))
+        # Beam search's rows of one prompt share its keys and values, held
+        # once: their queries attend as one row's (nothing is causal here).
+        prompts = cross_keys_values[0].shape[0]
+        queries = self.cross_attn.split_heads(queries.reshape(prompts, -1, queries.shape[-1]))
         heads = self.cross_attn.heads_side_by_side(queries, *cross_keys_values, memory_mask)
         x = self.after_cross_attention(x, heads.reshape(batch * length, -1))
         return x.reshape(batch, length, d_model)

@@ -85,6 +85,7 @@ def _number(body: dict, name: str, default, kind: type, valid, requirement: str)
 UNSUPPORTED = {
     "n": (1, "send a list of prompts for several completions"),
     "best_of": (1, "send a list of prompts for several completions"),
+    "num_beams": (1, "beam search runs in main.py and the Python API (--num-beams), not here"),
     "echo": (False, ""),
     "logprobs": (None, ""),
     "suffix": ("", "T5 completes a prompt; it does not fill text in before a suffix"),

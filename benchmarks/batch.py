@@ -1,7 +1,7 @@
 """The batch benchmark: throughput against batch size, ours and the peers'.
 
     python benchmarks/benchmark.py --model-name MAIN --draft-model-name DRAFT \\
-        --batch-sizes 1,2,4,8,16,32 [--num-draft 3,5,auto] [--delta 0] [--temp 0] \\
+        --batch-sizes 1,2,4,8,16,32 [--num-draft 3,5,auto] [--delta 0] [--temp 0] [--num-beams N] \\
         [--max-tokens 64] [--repeats R] [--prompts FILE] [--output OUTPUT] \\
         [--compare-hf --hf-model HF_DIR] [--compare-ct2 [--ct2-cache DIR]] [--hf-threads N]
 
@@ -17,6 +17,13 @@ the whole prompt file is decoded in one call, by
   (``transformers_worker.py --batch``);
 - with ``--compare-ct2``, CTranslate2 float32 and int8 on a copy of that
   checkpoint made by its own converter (``ctranslate2_worker.py``).
+
+With ``--num-beams N`` (N > 1) the engines are beam search instead, at
+temperature 0: ours (``generate_batch(num_beams=N)``, transformers'
+defaults: length penalty 1, early_stopping False), transformers' batched
+``generate(num_beams=N)`` and CTranslate2 float32's ``beam_size=N`` (its
+own stopping rule: a batch entry ends when its best hypothesis has; its
+length penalty 1 too). Each is compared with our beam search at B = 1.
 
 The peers run in processes of their own, which never load the OpenBLAS that
 MLX computes on, on as many threads as it (``--hf-threads`` to choose); they
@@ -69,6 +76,7 @@ class Engine:
     mode: str
     num_draft: int | str | None = None
     delta: float | None = None
+    num_beams: int = 1  # beam search with this many beams, above 1
 
     @property
     def ours(self) -> bool:
@@ -81,6 +89,9 @@ class Engine:
 
     @property
     def label(self) -> str:
+        if self.num_beams > 1:
+            mode = "" if self.mode == "beam" else f" {self.mode}"
+            return f"{self.name}{mode} beam N={self.num_beams}"
         if self.mode != "speculative":
             return f"{self.name} {self.mode}"
         delta = f", delta {self.delta:g}" if self.delta else ""
@@ -97,18 +108,19 @@ class BatchRow:
     mode: str
     num_draft: int | str | None
     delta: float | None
+    num_beams: int
     tokens: float  # generated over the whole file
     seconds: float  # the wall clock of the whole call
     tokens_per_s: float
     prompt_seconds: float | None  # ours: the summed prompt_time
     calibration_seconds: float | None  # ours: auto measuring its costs (warm-ups take it)
     prompt_tokens_per_s: float | None
-    vs_regular: float | None  # tokens/s over our regular decoding's at the same B
+    vs_regular: float | None  # tokens/s over our regular decoding's (beam search's) at the same B
     vs_single: float | None  # ... and at B = 1
     alpha: float | None
     tokens_per_pass: float | None  # per row and main-model pass
     mean_draft: float | None  # draft tokens per drafted round
-    same_as_single: str | None  # prompts whose tokens equal our B = 1 regular ones
+    same_as_single: str | None  # prompts whose tokens equal our B = 1 regular (beam) ones
     identical: bool | None  # ours and exact: all of them do
 
 
@@ -119,6 +131,7 @@ COLUMNS = [
     ("mode", "mode", "{}"),
     ("num_draft", "g", "{}"),
     ("delta", "delta", "{:g}"),
+    ("num_beams", "N", "{}"),
     ("tokens", "tokens", "{:.0f}"),
     ("seconds", "seconds", "{:.2f}"),
     ("tokens_per_s", "tok/s", "{:.1f}"),
@@ -158,15 +171,31 @@ def validate_batches(args: argparse.Namespace) -> None:
             )
         if 0 not in args.temp:
             raise ValueError("the peers decode greedily: --temp must include 0")
+    if args.num_beams > 1 and args.temp != [0]:
+        raise ValueError("beam search does not sample: --num-beams needs --temp 0")
     if args.compare_ct2 and importlib.util.find_spec("ctranslate2") is None:
         raise ValueError(
             "--compare-ct2 needs ctranslate2: pip install -r benchmarks/requirements.txt"
         )
 
 
+def baseline(args: argparse.Namespace) -> Engine:
+    """Our engine the others are compared with: regular decoding, or beam search."""
+    if args.num_beams > 1:
+        return Engine("ours", "beam", num_beams=args.num_beams)
+    return Engine("ours", "regular")
+
+
 def engines(args: argparse.Namespace) -> list[Engine]:
-    """Ours (regular first: the others are compared with it), then the peers'."""
-    found = [Engine("ours", "regular")]
+    """Ours (the baseline first: the others are compared with it), then the peers'."""
+    if args.num_beams > 1:
+        found = [baseline(args)]
+        if args.compare_hf:
+            found.append(Engine("transformers", "beam", num_beams=args.num_beams))
+        if args.compare_ct2:
+            found.append(Engine("ctranslate2", "float32", num_beams=args.num_beams))
+        return found
+    found = [baseline(args)]
     found += [
         Engine("ours", "speculative", g, delta) for delta in args.delta for g in args.num_draft
     ]
@@ -198,11 +227,16 @@ def decode(decoder, workers, engine: Engine, prompts, batch_size: int, options: 
     tokens of every prompt, and our GenerationResults (None for a peer)."""
     if not engine.ours:
         request = {"prompts": prompts, "batch_size": batch_size, **options}
+        if engine.num_beams > 1:
+            request["num_beams"] = engine.num_beams
         answer = workers[engine].ask(request)
         return answer["seconds"], answer["tokens"], None
     if engine.mode == "speculative":
         decoder.num_draft, decoder.delta = engine.num_draft, engine.delta
         call = decoder.speculative_decode_batch
+    elif engine.num_beams > 1:
+        options = {**options, "num_beams": engine.num_beams}
+        call = decoder.generate_batch
     else:
         call = decoder.generate_batch
     start = time.perf_counter()
@@ -271,11 +305,11 @@ def measure(args, prompts, decoder, workers, progress) -> dict:
     return totals
 
 
-def make_rows(totals: dict, num_prompts: int) -> list[BatchRow]:
+def make_rows(totals: dict, num_prompts: int, base: Engine) -> list[BatchRow]:
     regular = {
         (temp, batch_size): t["tokens"] / t["seconds"]
         for (temp, batch_size, engine), t in totals.items()
-        if engine == Engine("ours", "regular")
+        if engine == base
     }
     rows = []
     for (temp, batch_size, engine), t in totals.items():
@@ -291,6 +325,7 @@ def make_rows(totals: dict, num_prompts: int) -> list[BatchRow]:
                 mode=engine.mode,
                 num_draft=engine.num_draft,
                 delta=engine.delta,
+                num_beams=engine.num_beams,
                 tokens=t["tokens"] / t["calls"],
                 seconds=t["seconds"] / t["calls"],
                 tokens_per_s=speed,
@@ -311,28 +346,29 @@ def make_rows(totals: dict, num_prompts: int) -> list[BatchRow]:
     return rows
 
 
-def summary(rows: list[BatchRow]) -> list[str]:
+def summary(rows: list[BatchRow], base: Engine) -> list[str]:
     """At each B (temperature 0): what the targets compare."""
     lines = []
     for batch_size in sorted({row.batch_size for row in rows}):
         at = {_label(row): row for row in rows if row.temp == 0 and row.batch_size == batch_size}
-        if "ours regular" not in at:
+        if base.label not in at:
             continue
-        regular, auto = at["ours regular"], at.get("ours speculative g=auto")
+        regular, auto = at[base.label], at.get("ours speculative g=auto")
         best = max((row for row in at.values() if row.engine == "ours"), key=_speed)
         parts = []
         if regular.vs_single is not None:
-            parts.append(f"regular {regular.vs_single:.2f}x B=1 regular")
+            name = base.label.removeprefix("ours ")
+            parts.append(f"{name} {regular.vs_single:.2f}x B=1 {name}")
         if auto:
             parts.append(f"auto {auto.vs_regular:.2f}x regular")
         parts.append(f"fastest of ours: {_label(best).removeprefix('ours ')}")
-        for peer in ("transformers greedy", "ctranslate2 float32", "ctranslate2 int8"):
-            if peer in at:
-                ratios = [("fastest", best)] + ([("auto", auto)] if auto else [])
+        ratios = [("fastest", best)] + ([("auto", auto)] if auto else [])
+        for peer, peer_row in at.items():
+            if peer_row.engine != "ours":
                 parts.append(
-                    f"{peer} {_speed(at[peer]):.1f} tok/s, ours "
+                    f"{peer} {_speed(peer_row):.1f} tok/s, ours "
                     + " and ".join(
-                        f"{name} {_speed(row) / _speed(at[peer]):.2f}x" for name, row in ratios
+                        f"{name} {_speed(row) / _speed(peer_row):.2f}x" for name, row in ratios
                     )
                 )
         lines.append(f"B {batch_size}: " + "; ".join(parts))
@@ -344,7 +380,7 @@ def _speed(row: BatchRow) -> float:
 
 
 def _label(row: BatchRow) -> str:
-    return Engine(row.engine, row.mode, row.num_draft, row.delta).label
+    return Engine(row.engine, row.mode, row.num_draft, row.delta, row.num_beams).label
 
 
 def plot(rows: list[BatchRow], path: Path) -> bool:
@@ -387,7 +423,8 @@ def run_batches(args, prompts: list[str], decoder, model_path, draft_path) -> in
         with tqdm(total=calls, desc="decoding", file=sys.stderr, disable=None) as progress:
             totals = measure(args, prompts, decoder, workers, progress)
         peers = {engine.label: worker.ready for engine, worker in workers.items()}
-    rows = make_rows(totals, len(prompts))
+    base = baseline(args)
+    rows = make_rows(totals, len(prompts), base)
     machine = machine_name()
     threads = blas.num_threads()
     device = str(mx.default_device())
@@ -398,10 +435,10 @@ def run_batches(args, prompts: list[str], decoder, model_path, draft_path) -> in
         print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in ready.items() if k != "ready"))
     print(f"{len(prompts)} prompts, at most {args.max_tokens} tokens each; {args.repeats} repeats")
     print(format_table(rows, COLUMNS, markdown=True))
-    print("\n".join(summary(rows)))
+    print("\n".join(summary(rows, base)))
     failed = [_label(r) + f" at B {r.batch_size}" for r in rows if r.identical is False]
     if failed:
-        print("IDENTITY CHECK FAILED (outputs differ from B=1 regular): " + ", ".join(failed))
+        print(f"IDENTITY CHECK FAILED (outputs differ from B=1 {base.label}): " + ", ".join(failed))
     extra = {
         "machine": machine,
         "mlx": mx.__version__,
@@ -417,8 +454,9 @@ def run_batches(args, prompts: list[str], decoder, model_path, draft_path) -> in
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "batch_sizes": sorted(set(args.batch_sizes)),
+        "num_beams": args.num_beams,
         "identical": not failed,
-        "summary": summary(rows),
+        "summary": summary(rows, base),
     }
     try:
         written = write_tables(rows, COLUMNS, extra, args.output)

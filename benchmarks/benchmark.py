@@ -5,7 +5,7 @@
         [--delta 0,0.1,0.5] [--temp 0,1] [--max-tokens 64] [--repeats R] \\
         [--prompts FILE] [--output benchmark_results] [--compare-hf --hf-model DIR --hf-draft DIR [--hf-threads N]]
     python benchmarks/benchmark.py --model-name MAIN --draft-model-name DRAFT \\
-        --batch-sizes 1,2,4,8,16,32 [...]: the batch benchmark (batch.py describes it)
+        --batch-sizes 1,2,4,8,16,32 [--num-beams N] [...]: the batch benchmark (batch.py describes it)
 
 Without ``--batch-sizes``, prompts are decoded one at a time. The modes: the
 draft model with each ``--num-draft`` value (``auto`` included) and, with
@@ -241,6 +241,13 @@ def build_parser() -> ArgumentParser:
         "--compare-ct2",
         action="store_true",
         help="with --batch-sizes: also CTranslate2 float32 and int8 on --hf-model",
+    )
+    add(
+        "--num-beams",
+        type=POSITIVE,
+        default=1,
+        help="with --batch-sizes: beam search with N beams instead, ours and the peers' "
+        "(transformers' num_beams, CTranslate2 float32's beam_size)",
     )
     add(
         "--ct2-cache",

@@ -13,8 +13,8 @@ so later runs load it instead of converting again. Like
 THREADS is CTranslate2's ``intra_threads`` (0: its default).
 
 It answers the batch requests of ``workers.serve_batches`` with
-``Translator.translate_batch(max_batch_size=B, beam_size=1)``, greedy, at
-most ``max_tokens`` tokens a prompt. Given more prompts than B, CTranslate2
+``Translator.translate_batch(max_batch_size=B, beam_size=N)``, greedy (N = 1)
+or beam search, at most ``max_tokens`` tokens a prompt. Given more prompts than B, CTranslate2
 sorts them by length and decodes them B at a time (its own batching); the
 answer is in input order. The ready line says the model directory and the
 seconds converting took (0 when the copy was cached).
@@ -68,10 +68,15 @@ def main() -> int:
         str(model_dir), device="cpu", compute_type=compute_type, intra_threads=int(threads)
     )
 
-    def generate(prompts: list[str], batch_size: int, max_tokens: int) -> list[list[int]]:
+    def generate(
+        prompts: list[str], batch_size: int, max_tokens: int, num_beams: int = 1
+    ) -> list[list[int]]:
         sources = [tokenizer.convert_ids_to_tokens(tokenizer(p).input_ids) for p in prompts]
         results = translator.translate_batch(
-            sources, max_batch_size=batch_size, beam_size=1, max_decoding_length=max_tokens
+            sources,
+            max_batch_size=batch_size,
+            beam_size=num_beams,
+            max_decoding_length=max_tokens,
         )
         # Hypotheses come without the start token and the end token.
         return [tokenizer.convert_tokens_to_ids(result.hypotheses[0]) for result in results]

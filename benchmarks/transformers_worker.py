@@ -20,7 +20,7 @@ pass), the prompt's token count, and for greedy and assisted generation the
 seconds and the generated tokens (without the start token, cut at end of
 sequence).
 
-The second (``--batch``) times batched greedy ``generate``: it answers the
+The second (``--batch``) times batched greedy (or beam search) ``generate``: it answers the
 batch requests of ``workers.serve_batches``, decoding the prompts in input
 order, ``batch_size`` at a time, each batch right-padded to its longest
 prompt (what ``generate`` does; it has no continuous batching).
@@ -101,19 +101,22 @@ def serve_single(hf_model: str, hf_draft: str, threads: str, num_draft: str, max
 
 
 def serve_batch(hf_model: str, threads: str):
-    """Batched greedy generation (``workers.serve_batches``)."""
+    """Batched greedy generation or beam search (``workers.serve_batches``)."""
     import torch
     import transformers
 
     tokenizer, model = load(hf_model, threads)
 
-    def generate(prompts: list[str], batch_size: int, max_tokens: int) -> list[list[int]]:
+    def generate(
+        prompts: list[str], batch_size: int, max_tokens: int, num_beams: int = 1
+    ) -> list[list[int]]:
         outputs = []
         for first in range(0, len(prompts), batch_size):
             inputs = tokenizer(
                 prompts[first : first + batch_size], return_tensors="pt", padding=True
             ).to(device())
-            generated = model.generate(**inputs, max_new_tokens=max_tokens, **GREEDY)
+            search = {**GREEDY, "num_beams": num_beams}
+            generated = model.generate(**inputs, max_new_tokens=max_tokens, **search)
             outputs += generated[:, 1:].tolist()  # without the start token
         return outputs
 

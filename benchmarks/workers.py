@@ -7,7 +7,7 @@ The driver side is ``Worker``. Nothing here imports mlx, ``blas`` or torch: a wo
 never share the OpenBLAS that ``blas.py`` loads for MLX (see ``transformers_worker.py``).
 
 Batch requests (``serve_batches``) are ``{"prompts": [...], "batch_size": B,
-"max_tokens": N}``; the answer is ``{"seconds": wall clock of the whole call, tokenizing
+"max_tokens": N}``, with ``"num_beams"`` for beam search (else 1, greedy); the answer is ``{"seconds": wall clock of the whole call, tokenizing
 included, "tokens": [generated ids per prompt, in input order]}``, each without the start
 token and cut at end-of-sequence, the way the decoder counts its tokens.
 """
@@ -35,16 +35,22 @@ def send(message: dict) -> None:
 
 
 def serve_batches(
-    generate: Callable[[list[str], int, int], list[list[int]]], eos: int, ready: dict
+    generate: Callable[[list[str], int, int, int], list[list[int]]], eos: int, ready: dict
 ) -> None:
     """Announce ``ready``, then answer each batch request on standard input:
-    ``generate(prompts, batch_size, max_tokens)`` returns the generated ids per
-    prompt (they are cut at ``eos`` here), timed as a whole."""
+    ``generate(prompts, batch_size, max_tokens, num_beams)`` returns the
+    generated ids per prompt (the best hypothesis's with beams; they are cut
+    at ``eos`` here), timed as a whole."""
     send({"ready": True, **ready})
     for line in sys.stdin:
         request = json.loads(line)
         start = time.perf_counter()
-        outputs = generate(request["prompts"], request["batch_size"], request["max_tokens"])
+        outputs = generate(
+            request["prompts"],
+            request["batch_size"],
+            request["max_tokens"],
+            request.get("num_beams", 1),
+        )
         seconds = time.perf_counter() - start
         send({"seconds": seconds, "tokens": [cut_at_eos(tokens, eos) for tokens in outputs]})
 

@@ -246,12 +246,41 @@ def test_batch_benchmark_measures_every_batch_size(hf_pair, converted_pair, tmp_
     assert report["machine"] in run.stdout and "| B |" in run.stdout  # a Markdown table
 
 
+def test_batch_benchmark_measures_beam_search(hf_pair, converted_pair, tmp_path):
+    """--num-beams: ours and transformers' beam search at each B, each
+    compared with ours at B = 1; transformers' at B = 1 is ours."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    run = run_benchmark(
+        *converted_pair,
+        "--batch-sizes", "2,1",
+        "--num-beams", "3",
+        "--temp", "0",
+        "--max-tokens", "10",
+        "--prompts", str(prompts),
+        "--compare-hf",
+        "--hf-model", str(hf_pair[0]),
+        "--hf-threads", "1",
+        "--output", str(tmp_path / "beams"),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = list(csv.DictReader((tmp_path / "beams.csv").open()))
+    assert [(r["batch_size"], r["engine"], r["mode"], r["num_beams"]) for r in rows] == [
+        (size, engine, "beam", "3") for size in ("1", "2") for engine in ("ours", "transformers")
+    ]
+    ours = [r for r in rows if r["engine"] == "ours"]
+    assert all(r["identical"] == "True" and r["same_as_single"] == "3/3" for r in ours)
+    assert next(r["same_as_single"] for r in rows if r["engine"] == "transformers") == "3/3"
+    assert "fastest of ours: beam N=3" in run.stdout and "transformers beam N=3" in run.stdout
+
+
 def test_batch_benchmark_refuses_what_it_cannot_measure(converted_pair, tmp_path):
     for setting, message in (
         (["--compare-ct2"], "--compare-ct2 needs --batch-sizes"),
         (["--batch-sizes", "1", "--prompt-lookup", "2"], "--prompt-lookup is not measured"),
         (["--batch-sizes", "0"], "argument --batch-sizes: '0' is not a list of integers >= 1"),
         (["--batch-sizes", "1", "--compare-hf"], "--compare-hf and --compare-ct2 need --hf-model"),
+        (["--batch-sizes", "1", "--num-beams", "2", "--temp", "0,1"], "beam search does not"),
     ):
         run = run_benchmark(*converted_pair, *setting, "--output", str(tmp_path / "out"))
         assert run.returncode != 0

@@ -195,3 +195,12 @@ def test_the_name_check_catches_what_moved():
     assert unresolved("decoder.speculative_round") == "decoder defines no speculative_round"
     assert unresolved("model.DecoderCache") == "model defines no DecoderCache"  # imported there
     assert unresolved("decoder.SpeculativeDecoder.no_such") is not None
+
+
+README_LINES = 230
+
+
+def test_the_readme_keeps_its_line_budget():
+    """The README stays a page: what does not fit goes to docs/."""
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= README_LINES, f"README.md has {lines} lines, over {README_LINES}"
