@@ -201,18 +201,9 @@ def test_batch_benchmark_measures_every_batch_size(hf_pair, converted_pair, tmp_
         "summarize: the dog sees the apple in the green garden.\n"
         "Le chat est très petit.\n"
     )
-    run = run_benchmark(
-        *converted_pair,
-        "--batch-sizes", "2,1",
-        "--num-draft", "2,auto",
-        "--temp", "0",
-        "--max-tokens", "10",
-        "--prompts", str(prompts),
-        "--compare-hf",
-        "--hf-model", str(hf_pair[0]),
-        "--hf-threads", "1",
-        "--output", str(tmp_path / "batch"),
-    )  # fmt: skip
+    run = batch_against_transformers(
+        converted_pair, hf_pair, prompts, tmp_path / "batch", "--num-draft", "2,auto"
+    )
     assert run.returncode == 0, run.stderr
     rows = list(csv.DictReader((tmp_path / "batch.csv").open()))
     assert [(r["batch_size"], r["engine"], r["mode"], r["num_draft"]) for r in rows] == [
@@ -246,23 +237,31 @@ def test_batch_benchmark_measures_every_batch_size(hf_pair, converted_pair, tmp_
     assert report["machine"] in run.stdout and "| B |" in run.stdout  # a Markdown table
 
 
-def test_batch_benchmark_measures_beam_search(hf_pair, converted_pair, tmp_path):
-    """--num-beams: ours and transformers' beam search at each B, each
-    compared with ours at B = 1; transformers' at B = 1 is ours."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    run = run_benchmark(
+def batch_against_transformers(converted_pair, hf_pair, prompts, output, *options: str):
+    """The batch benchmark at B = 2 and 1, 10 greedy tokens of ``prompts``,
+    transformers (one thread) beside ours, with ``options``."""
+    return run_benchmark(
         *converted_pair,
         "--batch-sizes", "2,1",
-        "--num-beams", "3",
         "--temp", "0",
         "--max-tokens", "10",
         "--prompts", str(prompts),
         "--compare-hf",
         "--hf-model", str(hf_pair[0]),
         "--hf-threads", "1",
-        "--output", str(tmp_path / "beams"),
+        "--output", str(output),
+        *options,
     )  # fmt: skip
+
+
+def test_batch_benchmark_measures_beam_search(hf_pair, converted_pair, tmp_path):
+    """--num-beams: ours and transformers' beam search at each B, each
+    compared with ours at B = 1; transformers' at B = 1 is ours."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    run = batch_against_transformers(
+        converted_pair, hf_pair, prompts, tmp_path / "beams", "--num-beams", "3"
+    )
     assert run.returncode == 0, run.stderr
     rows = list(csv.DictReader((tmp_path / "beams.csv").open()))
     assert [(r["batch_size"], r["engine"], r["mode"], r["num_beams"]) for r in rows] == [
