@@ -391,7 +391,7 @@ class BatchGenerator:
         if self.drafter is not None:
             self.drafter.keep_rows(kept)
 
-    def _admit(self, budget: int | None) -> None:
+    def _admit(self, budget: int | None = None) -> None:
         """Start encoding waiting prompts while places allow (the prompts of
         each encoder pass together), then encode, shortest prompts first:
         all of it, or, interleaving, ``budget`` slices, or with None, slices

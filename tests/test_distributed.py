@@ -384,11 +384,13 @@ def rank_process(launcher: subprocess.Popen, rank: int) -> int:
 def test_rank_terminated_under_mlx_launch(converted_pair, tmp_path):
     """Under the real ``mlx.launch``: rank 1 gets SIGTERM mid-run. It says
     so in its own line; the launcher then sends rank 0 SIGTERM, and rank 0
-    writes its summary of what finished and its own ``error:`` line."""
+    writes its summary of what finished and its own ``error:`` line. Unless
+    MLX never returns from rank 0's sum (the ring backend says it failed its
+    pending tasks): then only the line, TERMINATE_GRACE seconds later."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS * 40) + "\n")
-    # Data parallel: the ranks sum between rounds, where a lost peer is an
-    # error, never inside a pass (see test_sigterm_ends_a_rank_stuck_in_mlx).
+    # Data parallel: the ranks sum between rounds, where a lost peer is
+    # usually an error, not inside a pass (see test_sigterm_ends_a_rank_stuck_in_mlx).
     command = main_args(converted_pair, "--prompts", str(prompts), "-m", "200", "--data-parallel")
     launcher = subprocess.Popen(
         [
@@ -416,8 +418,9 @@ def test_rank_terminated_under_mlx_launch(converted_pair, tmp_path):
     assert len(errors) == 2, stderr
     assert any(line.startswith("error: rank 1 of 2: stopped by SIGTERM") for line in errors)
     assert any(not line.startswith("error: rank") for line in errors), stderr
-    assert re.search(r"Prompts: \d+ of 200 finished", stderr), stderr
     assert stdout.strip(), "rank 0's finished lines"
+    if "Failing pending tasks" not in stderr:  # rank 0's main thread returned from MLX
+        assert re.search(r"Prompts: \d+ of 200 finished", stderr), stderr
 
 
 STUCK_RANK = """

@@ -518,7 +518,7 @@ def test_commands_ask_for_full_float32_unless_the_user_chose(command, user_setti
     seen = []
     runner = "run" if command == "main" else "serve"
     monkeypatch.setattr(
-        module, runner, lambda args: seen.append(os.environ.get(TF32_VARIABLE)) or 0
+        module, runner, lambda args, *group: seen.append(os.environ.get(TF32_VARIABLE)) or 0
     )
     if user_setting is None:
         monkeypatch.delenv(TF32_VARIABLE, raising=False)
