@@ -65,19 +65,21 @@ def run_main(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return run_main_concurrently(list(args), cwd=cwd)[0]
 
 
+def start_main(args, cwd: Path) -> subprocess.Popen:
+    """``python main.py ARGS`` started in ``cwd``, offline, its output piped as text."""
+    return subprocess.Popen(
+        [sys.executable, str(MAIN_PY), *args],
+        cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def run_main_concurrently(*arg_lists: list[str], cwd: Path) -> list[subprocess.CompletedProcess]:
     """Several ``python main.py`` runs at once (each spends seconds importing mlx)."""
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(MAIN_PY), *args],
-            cwd=cwd,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for args in arg_lists
-    ]
+    processes = [start_main(args, cwd) for args in arg_lists]
     results = []
     for process in processes:
         try:
@@ -456,14 +458,7 @@ def interrupt_main(*args: str, cwd: Path, wait) -> tuple[int, str, str]:
     """``python main.py ARGS`` in ``cwd``, sent SIGINT (as by Ctrl-C) once
     ``wait(process)`` returns what it read of standard output; the exit
     status, all of standard output and standard error."""
-    process = subprocess.Popen(
-        [sys.executable, str(MAIN_PY), *args],
-        cwd=cwd,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = start_main(args, cwd)
     try:
         read = wait(process)
         process.send_signal(signal.SIGINT)
