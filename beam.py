@@ -56,7 +56,10 @@ class BeamOptions:
     occur twice, the ``num_return_sequences`` best hypotheses returned; and
     ``min_tokens``, the tokens generated before the end-of-sequence token is
     allowed (transformers' ``min_length`` less one: that counts the decoder's
-    start token). ``ValueError`` for a value out of range."""
+    start token). And how fast, never what: with ``draft_levels`` > 0 (and
+    a draft model) speculative beam search, the draft's tree of that many
+    levels of ``draft_width`` nodes (0: 2N) per pass (``speculative_beam``).
+    ``ValueError`` for a value out of range."""
 
     num_beams: int = 1
     length_penalty: float = 1.0
@@ -64,6 +67,8 @@ class BeamOptions:
     no_repeat_ngram_size: int = 0
     num_return_sequences: int = 1
     min_tokens: int = 0
+    draft_levels: int = 0
+    draft_width: int = 0
 
     def __post_init__(self):
         if not (isinstance(self.num_beams, int) and self.num_beams >= 1):
@@ -78,7 +83,7 @@ class BeamOptions:
             raise ValueError(
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
             )
-        for name in ("no_repeat_ngram_size", "min_tokens"):
+        for name in ("no_repeat_ngram_size", "min_tokens", "draft_levels", "draft_width"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
@@ -105,6 +110,7 @@ class BeamSearchResult(GenerationResult):
 
     sequences: list[Hypothesis] = dataclasses.field(default_factory=list)
     texts: list[str] = dataclasses.field(default_factory=list)
+    levels: int = 0  # steps of beam search; n_steps counts the main model's passes
 
 
 def divided(score: np.float32, length: int, length_penalty: float) -> np.float32:
@@ -123,7 +129,8 @@ class PromptBeams:
     started: float  # time.perf_counter() when its prompt's encoding began
     prompt_time: float  # seconds encoding it (its share of its joining pass)
     finished: list[Hypothesis] = dataclasses.field(default_factory=list)
-    steps: int = 0  # decoder passes
+    steps: int = 0  # the main model's passes
+    levels: int = 0  # steps of beam search: the tokens of each beam
     done: bool = False
 
     @classmethod
@@ -166,7 +173,7 @@ class PromptBeams:
         whether the search ended; returns each new beam's parent."""
         num_beams = options.num_beams
         length = len(self.sequences[0])  # tokens generated once this step's are added
-        self.steps = length
+        self.levels = length
         at_limit = length >= max_tokens
         ends = [at_limit or token == eos for token in tokens.tolist()]
         for k in range(num_beams):
@@ -211,63 +218,108 @@ def start_cache(model: T5, prompts: Sequence[Sequence[int]], num_beams: int) -> 
     return DecoderCache(cache.cross_buffers, cache.prompt_lengths, num_beams)
 
 
+def advance(
+    searches: Sequence[PromptBeams],
+    logits: mx.array,
+    options: BeamOptions,
+    max_tokens: int,
+    eos: int,
+) -> list[list[int] | None]:
+    """One step of the ``searches`` (N rows each, in order), given each
+    beam's next-token ``logits`` [rows, vocab]; returns each search's new
+    beams' parents (indices among its beams), or None where it ended."""
+    num_beams = options.num_beams
+    logits = logits.astype(mx.float32)
+    log_probs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    banned = [
+        (i * num_beams + beam, token)
+        for i, search in enumerate(searches)
+        for beam, token in search.banned(options, eos)
+    ]
+    if banned:
+        rows, tokens = zip(*banned)
+        log_probs[mx.array(rows), mx.array(tokens)] = -mx.inf
+    beam_scores = np.concatenate([search.scores for search in searches])
+    totals = (log_probs + mx.array(beam_scores)[:, None]).reshape(len(searches), -1)
+    scores, flat = best_continuations(totals, 2 * num_beams)
+    vocab_size = log_probs.shape[-1]
+    chosen = []
+    for i, search in enumerate(searches):
+        beams, tokens = np.divmod(flat[i], vocab_size)
+        parents = search.advance(scores[i], beams, tokens, options, max_tokens, eos)
+        chosen.append(None if search.done else parents)
+    return chosen
+
+
+class BeamStep:
+    """The main model's pass of plain beam search: every beam's next token.
+    Holds the decoder cache of the prompts in the batch."""
+
+    def __init__(self, model: T5, options: BeamOptions, max_tokens: int):
+        self.model, self.options, self.max_tokens = model, options, max_tokens
+        self.cache: DecoderCache | None = None
+
+    def add_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Encode ``prompts``, whose beams follow the batch's."""
+        fresh = start_cache(self.model, prompts, self.options.num_beams)
+        self.cache = fresh if self.cache is None else self.cache.add_prompts(fresh)
+
+    def keep(self, parents: list[int]) -> None:
+        """Row i of the next pass continues row ``parents[i]``; the prompts
+        whose rows no parent names leave the batch."""
+        if parents:
+            self.cache.take_beams(parents)
+        else:
+            self.cache = None
+
+    def __call__(self, searches: Sequence[PromptBeams]) -> None:
+        """One step of the ``searches`` (the batch's prompts, in order)."""
+        last = [sequence[-1] for search in searches for sequence in search.sequences]
+        logits = self.model.decode(mx.array(last)[:, None], self.cache)[:, -1]
+        chosen = advance(
+            searches, logits, self.options, self.max_tokens, self.model.args.eos_token_id
+        )
+        num_beams = self.options.num_beams
+        self.keep(
+            [i * num_beams + beam for i, beams in enumerate(chosen) if beams for beam in beams]
+        )
+        for search in searches:
+            search.steps += 1
+
+
 def beam_search(
     model: T5,
     prompts: Sequence[Sequence[int]],
     batch_size: int,
     max_tokens: int,
     options: BeamOptions,
+    step: BeamStep | None = None,
 ) -> Iterator[tuple[int, PromptBeams]]:
     """Beam search over ``prompts`` (token ids), at most ``max_tokens`` new
     tokens each, ``batch_size`` prompts decoded together (N rows each): a
     prompt whose search ends leaves the batch, and the next waiting prompt
-    (in the order given) joins it. Yields ``(index, search)`` as each
+    (in the order given) joins it. Each pass is ``step``'s (default: a
+    ``BeamStep``, one token per beam). Yields ``(index, search)`` as each
     prompt's search ends (its ``finished`` hypotheses, best first)."""
-    num_beams, eos = options.num_beams, model.args.eos_token_id
+    step = step or BeamStep(model, options, max_tokens)
     start_token = model.args.decoder_start_token_id
     waiting = deque(range(len(prompts)))
     searches: dict[int, PromptBeams] = {}
     active: list[int] = []  # the prompts in the batch, in its order
-    cache = None
     while active or waiting:
         joining = [waiting.popleft() for _ in range(min(len(waiting), batch_size - len(active)))]
         if joining:
             started = time.perf_counter()
-            fresh = start_cache(model, [prompts[i] for i in joining], num_beams)
-            cache = fresh if cache is None else cache.add_prompts(fresh)
+            step.add_prompts([prompts[i] for i in joining])
             seconds = (time.perf_counter() - started) / len(joining)
             for i in joining:
-                searches[i] = PromptBeams.start(start_token, num_beams, started, seconds)
+                searches[i] = PromptBeams.start(start_token, options.num_beams, started, seconds)
             active += joining
-        last = [sequence[-1] for j in active for sequence in searches[j].sequences]
-        logits = model.decode(mx.array(last)[:, None], cache)[:, -1].astype(mx.float32)
-        log_probs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        banned = [
-            (i * num_beams + beam, token)
-            for i, j in enumerate(active)
-            for beam, token in searches[j].banned(options, eos)
-        ]
-        if banned:
-            rows, tokens = zip(*banned)
-            log_probs[mx.array(rows), mx.array(tokens)] = -mx.inf
-        beam_scores = np.concatenate([searches[j].scores for j in active])
-        totals = (log_probs + mx.array(beam_scores)[:, None]).reshape(len(active), -1)
-        scores, flat = best_continuations(totals, 2 * num_beams)
-        vocab_size = log_probs.shape[-1]
-        parents = []
-        for i, j in enumerate(active):
-            search = searches[j]
-            beams, tokens = np.divmod(flat[i], vocab_size)
-            chosen = search.advance(scores[i], beams, tokens, options, max_tokens, eos)
-            if search.done:
+        step([searches[j] for j in active])
+        for j in active:
+            if searches[j].done:
                 yield j, searches.pop(j)
-            else:
-                parents += [i * num_beams + beam for beam in chosen]
         active = [j for j in active if j in searches]
-        if active:
-            cache.take_beams(parents)
-        else:
-            cache = None
 
 
 def best_continuations(totals: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -5,10 +5,13 @@ different times), trimmed back row by row when drafts are rejected."""
 
 from __future__ import annotations
 
+import copy
 import math
+from dataclasses import dataclass
 
 import cpu  # noqa: F401  # isort: skip  (first: see cpu/__init__.py)
 import mlx.core as mx
+import numpy as np
 
 
 def keep_buffer_rows(buffer: mx.array, rows: list[int]) -> mx.array:
@@ -140,6 +143,36 @@ class KVCache:
             counts = [counts] * len(self.lengths)
         self.lengths = [max(0, n - c) for n, c in zip(self.lengths, counts, strict=True)]
 
+    def keep_new(self, kept: list[list[int]], count: int) -> None:
+        """Of the last ``count`` positions of row i keep those at
+        ``kept[i]`` (indices among them, increasing, at least one), moved to
+        follow the row's earlier positions; forget the others."""
+        batch = len(kept)
+        width = max(map(len, kept))
+        # Short rows repeat their last index: written twice, then trimmed.
+        padded = [row + row[-1:] * (width - len(row)) for row in kept]
+        firsts = mx.array([end - count for end in self.ends])[:, None]
+        sources, targets = firsts + mx.array(padded), firsts + mx.arange(width)
+        _, heads, _, dim = self.keys.shape
+        shape = (batch, heads, width, dim)
+        sources = mx.broadcast_to(sources[:, None, :, None], shape)
+        targets = mx.broadcast_to(targets[:, None, :, None], shape)
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            rows = buffer[:batch]
+            taken = mx.take_along_axis(rows, sources, axis=2)
+            buffer[:batch] = mx.put_along_axis(rows, targets, taken, axis=2)
+        self.lengths = [n - count + len(row) for n, row in zip(self.lengths, kept, strict=True)]
+
+    def fork(self) -> KVCache:
+        """A copy that changes apart from this cache (their storage is
+        shared until either writes)."""
+        other = KVCache()
+        if self.keys is not None:
+            other.keys, other.values = mx.array(self.keys), mx.array(self.values)
+        other.lengths, other.starts = list(self.lengths), list(self.starts)
+        return other
+
     def admit(self, rows: list[int]) -> None:
         """Empty ``rows`` for new prompts; rows at or past the batch size are
         added (the storage grows at the next write if it holds too few)."""
@@ -168,6 +201,34 @@ def pad_to(x: mx.array, length: int, axis: int) -> mx.array:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, length - x.shape[axis])
     return mx.pad(x, widths)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """How a batch's new tokens attend to one another when they form a
+    tree in each row rather than a chain: each token sees its row's cached
+    positions and its ancestors among the new tokens (itself included),
+    and lies at its depth past the row's end. ``depths`` [B, T] (int32) and
+    ``visible`` [B, T, T] (bool: token t sees new token u)."""
+
+    depths: mx.array
+    visible: mx.array
+
+    @classmethod
+    def from_parents(cls, parents: np.ndarray) -> Tree:
+        """The tree of ``parents`` [B, T]: each new token's parent's index
+        among its row's new tokens, earlier than its own, or -1 for a root."""
+        batch, length = parents.shape
+        rows = np.arange(batch)
+        depths = np.zeros((batch, length), np.int32)
+        visible = np.zeros((batch, length, length), bool)
+        for t in range(length):
+            parent = parents[:, t]
+            has_parent = parent >= 0
+            visible[has_parent, t] = visible[rows[has_parent], parent[has_parent]]
+            depths[has_parent, t] = depths[rows[has_parent], parent[has_parent]] + 1
+            visible[:, t, t] = True
+        return cls(mx.array(depths), mx.array(visible))
 
 
 class DecoderCache:
@@ -210,20 +271,37 @@ class DecoderCache:
         """Decoder positions cached, per row."""
         return self.self_attn[0].lengths
 
-    def reserve(self, length: int) -> tuple[mx.array, mx.array]:
+    def reserve(self, length: int, tree: Tree | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """Make room for ``length`` new tokens in every row (see
-        ``KVCache.reserve``) and return the storage columns [B, length]
-        they will take, and the mask [B, length, columns] that hides from
-        each of them the columns that are not its row's earlier positions
-        (later ones, or before the row's start)."""
+        ``KVCache.reserve``) and return the positions [B, length] of the new
+        tokens and those of the keys ([columns], or [B, columns] with a
+        ``tree``), both counted in storage columns, and the mask [B, length,
+        columns] that hides from each new token the keys it does not see:
+        its row's later columns and those before its start, and with a
+        ``tree`` the new tokens that are not its ancestors. Without a tree
+        the new tokens form a chain: token t's position is its column."""
         for cache in self.self_attn:
             cache.reserve(length)
         first = self.self_attn[0]
-        columns = mx.array(first.ends)[:, None] + mx.arange(length)
+        ends = mx.array(first.ends)[:, None]
         key_columns = mx.arange(max(first.ends) + length)
-        starts = mx.array(first.starts)[:, None, None]
-        hidden = (key_columns > columns[..., None]) | (key_columns < starts)
-        return columns, hidden
+        before_start = key_columns < mx.array(first.starts)[:, None]
+        if tree is None:
+            columns = ends + mx.arange(length)
+            hidden = (key_columns > columns[..., None]) | before_start[:, None]
+            return columns, key_columns, hidden
+        # A new token's key lies at its row's end plus its index among the
+        # new tokens, and its position is the row's end plus its depth.
+        new = key_columns - ends
+        inside = (new >= 0) & (new < length)
+        index = mx.clip(new, 0, length - 1)
+        key_positions = mx.where(
+            inside, ends + mx.take_along_axis(tree.depths, index, axis=1), key_columns
+        )
+        index = mx.broadcast_to(index[:, None], (index.shape[0], length, index.shape[1]))
+        ancestors = mx.take_along_axis(tree.visible, index, axis=2)
+        hidden = (before_start | (new >= length))[:, None] | (inside[:, None] & ~ancestors)
+        return ends + tree.depths, key_positions, hidden
 
     @property
     def offset(self) -> int:
@@ -298,12 +376,14 @@ class DecoderCache:
             layer_cache.admit(rows)
         return self
 
-    def take_beams(self, parents: list[int]) -> None:
+    def take_beams(self, parents: list[int], beams: int | None = None) -> None:
         """Beam search's step: row i takes the decoder positions of row
-        ``parents[i]``, a row of the same prompt. The prompts whose rows no
-        parent names leave the batch (their search ended); the others keep
-        their order."""
+        ``parents[i]``, a row of the same prompt, each prompt taking
+        ``beams`` rows (default: as many as it had). The prompts whose rows
+        no parent names leave the batch (their search ended); the others
+        keep their order."""
         prompts = sorted({parent // self.beams for parent in parents})
+        self.beams = beams or self.beams
         if prompts != list(range(len(self.prompt_lengths))):
             self.cross_buffers = [
                 (keys[mx.array(prompts)], values[mx.array(prompts)])
@@ -314,6 +394,21 @@ class DecoderCache:
             self._update_memory_mask()
         for cache in self.self_attn:
             cache.keep_rows(parents)
+
+    def keep_new(self, kept: list[list[int]], count: int) -> None:
+        """Of the last ``count`` decoder positions of row i keep those at
+        ``kept[i]`` in every layer (``KVCache.keep_new``): a tree's path."""
+        for cache in self.self_attn:
+            cache.keep_new(kept, count)
+
+    def fork(self) -> DecoderCache:
+        """A copy that changes apart from this cache; the keys and values of
+        cross-attention, which neither changes, are shared."""
+        other = copy.copy(self)
+        other.self_attn = [cache.fork() for cache in self.self_attn]
+        other.cross_buffers = list(self.cross_buffers)
+        other.prompt_lengths = list(self.prompt_lengths)
+        return other
 
     def _fit_width(self) -> None:
         """Cut the cross-attention buffers to the longest prompt of the

@@ -28,6 +28,7 @@ from drafting import Drafter, DraftLength, FixedDraftLength, check_draft_compati
 from model import T5
 from scheduler import SORT_WINDOW, BatchGenerator, longest_first
 from speculative import GenerationResult, Options
+from speculative_beam import TreeStep
 
 
 class SpeculativeDecoder:
@@ -247,8 +248,13 @@ class SpeculativeDecoder:
             raise ValueError("prompts must be a non-empty list of prompts")
         ids = [self.prompt_ids(prompt) for prompt in prompts]
         order = longest_first(ids, SORT_WINDOW * batch_size)
+        step = None
+        if beams.draft_levels:
+            if self.draft_model is None:
+                raise ValueError("draft_levels (speculative beam search) needs a draft model")
+            step = TreeStep(self.model, self.draft_model, beams, options.max_tokens)
         searches = beam_search(
-            self.model, [ids[i] for i in order], batch_size, options.max_tokens, beams
+            self.model, [ids[i] for i in order], batch_size, options.max_tokens, beams, step
         )
         for j, search in searches:
             hypotheses = search.finished[: beams.num_return_sequences]
@@ -262,6 +268,7 @@ class SpeculativeDecoder:
                     hypotheses[0].tokens,
                     texts[0],
                     n_steps=search.steps,
+                    levels=search.levels,
                     prompt_tokens=len(ids[order[j]]),
                     prompt_time=search.prompt_time,
                     elapsed=time.perf_counter() - search.started,

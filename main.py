@@ -183,6 +183,14 @@ def add_beam_options(parser: ArgumentParser) -> None:
         "the --task's)",
     )
     add(
+        "--draft-levels",
+        type=NON_NEGATIVE,
+        metavar="G",
+        help="with --num-beams and a draft model: speculative beam search, the draft's tree "
+        "of G levels of 2N candidates checked per pass of the main model, the same output "
+        "(default: 0, plain beam search; docs/how-it-works.md says where it pays)",
+    )
+    add(
         "--task",
         metavar="NAME",
         help="the model's settings for task NAME (its config's task_specific_params, e.g. "
@@ -202,13 +210,20 @@ def early_stopping(text: str) -> bool | str:
 # The beam settings a task may give (transformers' names are the flags'),
 # those that only beam search takes, and the defaults of all.
 BEAM_SETTINGS = ("num_beams", "length_penalty", "early_stopping", "no_repeat_ngram_size")
-BEAM_ONLY = ("num_return_sequences", "length_penalty", "early_stopping", "no_repeat_ngram_size")
+BEAM_ONLY = (
+    "num_return_sequences",
+    "length_penalty",
+    "early_stopping",
+    "no_repeat_ngram_size",
+    "draft_levels",
+)
 BEAM_DEFAULTS = {
     "num_beams": 1,
     "num_return_sequences": 1,
     "length_penalty": 1.0,
     "early_stopping": False,
     "no_repeat_ngram_size": 0,
+    "draft_levels": 0,
 }
 
 
@@ -271,6 +286,7 @@ def beam_options(args: argparse.Namespace) -> dict:
         "early_stopping": args.early_stopping,
         "no_repeat_ngram_size": args.no_repeat_ngram_size,
         "min_tokens": args.min_tokens or 0,
+        "draft_levels": args.draft_levels,
     }
 
 
@@ -446,13 +462,23 @@ def generate(args: argparse.Namespace, group) -> int:
                 "beam search runs in one process: not with --data-parallel nor in a group "
                 "(mlx.launch)"
             )
-        if draft_model_name(args) is not None or (args.prompt_lookup and not args.regular_decode):
-            print(
-                "note: beam search (--num-beams > 1) runs with the main model alone: "
-                "no draft model, no prompt lookup",
-                file=sys.stderr,
+        if args.draft_levels and draft_model_name(args) is None:
+            raise ValueError("--draft-levels drafts with a draft model: give --draft-model-name")
+        if args.draft_levels and args.prompt_lookup:
+            raise ValueError(
+                "--prompt-lookup: speculative beam search (--draft-levels) drafts with the "
+                "draft model alone"
             )
-        args.regular_decode = True
+        if not args.draft_levels:
+            if draft_model_name(args) is not None or (
+                args.prompt_lookup and not args.regular_decode
+            ):
+                print(
+                    "note: beam search (--num-beams > 1) runs with the main model alone "
+                    "(no draft model, no prompt lookup) unless --draft-levels G is given",
+                    file=sys.stderr,
+                )
+            args.regular_decode = True
 
     if args.seed is None:  # drawn, so that the summary can name it
         args.seed = draw_seed() if group is None else rank_zero_seed(draw_seed(), group)

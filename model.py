@@ -23,7 +23,7 @@ from mlx import nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten
 
-from cache import DecoderCache, KVCache, joined_caches, padding_mask
+from cache import DecoderCache, KVCache, Tree, joined_caches, padding_mask
 
 
 @dataclass
@@ -133,11 +133,12 @@ class RelativePositionBias(nn.Module):
         self.max_distance = args.relative_attention_max_distance
         self.embeddings = nn.Embedding(self.num_buckets, args.num_heads)
 
-    def __call__(self, query_positions: mx.array, key_length: int) -> mx.array:
-        """Bias [B, heads, T, key_length] for queries at ``query_positions``
-        [B, T] (each row of a batch has its own) and keys at 0 .. key_length - 1."""
+    def __call__(self, query_positions: mx.array, key_positions: mx.array) -> mx.array:
+        """Bias [B, heads, T, S] for queries at ``query_positions`` [B, T]
+        and keys at ``key_positions`` [S] or [B, S] (each row of a batch
+        has its own)."""
         buckets = relative_position_bucket(
-            mx.arange(key_length) - query_positions[..., None],
+            mx.expand_dims(key_positions, -2) - query_positions[..., None],
             self.bidirectional,
             self.num_buckets,
             self.max_distance,
@@ -665,18 +666,22 @@ class T5(nn.Module):
         memory = yield from self.encode_slices(inputs, mask, on_layer)
         return (yield from self.cache_slices(memory, mask))
 
-    def decode(self, decoder_inputs: mx.array, cache: DecoderCache) -> mx.array:
+    def decode(
+        self, decoder_inputs: mx.array, cache: DecoderCache, tree: Tree | None = None
+    ) -> mx.array:
         """Logits [B, T, vocab] for the next token after each of the T new
         decoder tokens of every row; appends them to ``cache``, each row
-        after its own cached positions."""
+        after its own cached positions. The new tokens of a row follow one
+        another, or with a ``tree`` each follows its ancestors alone
+        (``cache.Tree``: speculative beam search's candidates)."""
         x = self.embed(decoder_inputs)
         length = decoder_inputs.shape[1]
-        columns, hidden = cache.reserve(length)
+        query_positions, key_positions, hidden = cache.reserve(length, tree)
         # Key minus query column is key minus query position: the bias
         # works on columns. Relative position buckets do not hide the
         # future, so the mask does; it also hides whatever lies past a row's
         # own length or before its start.
-        self_mask = self.decoder.position_bias(columns, hidden.shape[-1])
+        self_mask = self.decoder.position_bias(query_positions, key_positions)
         self_mask = mx.where(hidden[:, None], -mx.inf, self_mask).astype(x.dtype)
         for layer, layer_cache, cross in zip(
             self.decoder.layers, cache.self_attn, cache.cross_keys_values

@@ -24,6 +24,9 @@ defaults: length penalty 1, early_stopping False), transformers' batched
 ``generate(num_beams=N)`` and CTranslate2 float32's ``beam_size=N`` (its
 own stopping rule: a batch entry ends when its best hypothesis has; its
 length penalty 1 too). Each is compared with our beam search at B = 1.
+``--draft-levels 1,2,3`` adds our speculative beam search with a draft tree
+of each number of levels (``draft_levels``); its "tokens/pass" column is
+the steps of beam search (levels) per main-model pass.
 
 The peers run in processes of their own, which never load the OpenBLAS that
 MLX computes on, on as many threads as it (``--hf-threads`` to choose); they
@@ -91,7 +94,8 @@ class Engine:
     def label(self) -> str:
         if self.num_beams > 1:
             mode = "" if self.mode == "beam" else f" {self.mode}"
-            return f"{self.name}{mode} beam N={self.num_beams}"
+            levels = f" g={self.num_draft}" if self.mode == "speculative" else ""
+            return f"{self.name}{mode} beam N={self.num_beams}{levels}"
         if self.mode != "speculative":
             return f"{self.name} {self.mode}"
         delta = f", delta {self.delta:g}" if self.delta else ""
@@ -148,7 +152,7 @@ COLUMNS = [
 
 TOTALS = (
     "calls", "seconds", "tokens", "prompt_time", "prompt_tokens", "accepted", "rejected",
-    "passes", "proposed", "rounds", "same", "calibration",
+    "passes", "proposed", "rounds", "same", "calibration", "levels",
 )  # fmt: skip
 
 
@@ -190,6 +194,10 @@ def engines(args: argparse.Namespace) -> list[Engine]:
     """Ours (the baseline first: the others are compared with it), then the peers'."""
     if args.num_beams > 1:
         found = [baseline(args)]
+        found += [
+            Engine("ours", "speculative", levels, num_beams=args.num_beams)
+            for levels in args.draft_levels
+        ]
         if args.compare_hf:
             found.append(Engine("transformers", "beam", num_beams=args.num_beams))
         if args.compare_ct2:
@@ -231,12 +239,14 @@ def decode(decoder, workers, engine: Engine, prompts, batch_size: int, options: 
             request["num_beams"] = engine.num_beams
         answer = workers[engine].ask(request)
         return answer["seconds"], answer["tokens"], None
-    if engine.mode == "speculative":
+    if engine.num_beams > 1:
+        options = {**options, "num_beams": engine.num_beams}
+        if engine.mode == "speculative":
+            options["draft_levels"] = engine.num_draft
+        call = decoder.generate_batch
+    elif engine.mode == "speculative":
         decoder.num_draft, decoder.delta = engine.num_draft, engine.delta
         call = decoder.speculative_decode_batch
-    elif engine.num_beams > 1:
-        options = {**options, "num_beams": engine.num_beams}
-        call = decoder.generate_batch
     else:
         call = decoder.generate_batch
     start = time.perf_counter()
@@ -261,6 +271,7 @@ def add_up(totals: dict, seconds: float, tokens: list[list[int]], results, refer
         totals["accepted"] += result.n_accepted
         totals["rejected"] += result.n_rejected
         totals["passes"] += result.n_steps
+        totals["levels"] += getattr(result, "levels", 0)
         totals["proposed"] += result.n_draft
         totals["rounds"] += len(result.draft_lengths)
 
@@ -337,7 +348,7 @@ def make_rows(totals: dict, num_prompts: int, base: Engine) -> list[BatchRow]:
                 vs_regular=speed / regular[temp, batch_size],
                 vs_single=speed / regular[temp, 1] if (temp, 1) in regular else None,
                 alpha=t["accepted"] / tested if speculative and tested else None,
-                tokens_per_pass=t["tokens"] / t["passes"] if t["passes"] else None,
+                tokens_per_pass=(t["levels"] or t["tokens"]) / t["passes"] if t["passes"] else None,
                 mean_draft=t["proposed"] / t["rounds"] if t["rounds"] else None,
                 same_as_single=None if same is None else f"{same:g}/{num_prompts}",
                 identical=same == num_prompts if same is not None and engine.exact else None,

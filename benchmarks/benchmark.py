@@ -250,6 +250,13 @@ def build_parser() -> ArgumentParser:
         "(transformers' num_beams, CTranslate2 float32's beam_size)",
     )
     add(
+        "--draft-levels",
+        type=parse_list(POSITIVE, "integers >= 1"),
+        default=[],
+        help="with --num-beams: also speculative beam search with a draft tree of each "
+        "number of levels, e.g. 1,2,3,4",
+    )
+    add(
         "--ct2-cache",
         type=Path,
         help="where CTranslate2's copies of --hf-model are kept (default: ctranslate2-models "

@@ -147,9 +147,9 @@ def wrong_trim(original):
 def first_row_columns(original):
     """``DecoderCache.reserve`` that gives every row row 0's columns."""
 
-    def reserve(self, length):
-        columns, hidden = original(self, length)
-        return mx.broadcast_to(columns[:1], columns.shape), hidden
+    def reserve(self, length, tree=None):
+        columns, keys, hidden = original(self, length, tree)
+        return mx.broadcast_to(columns[:1], columns.shape), keys, hidden
 
     return reserve
 
@@ -158,9 +158,9 @@ def starts_not_hidden(original):
     """``DecoderCache.reserve`` whose mask hides only later columns, not
     those before a row's start (where an earlier row's keys may lie)."""
 
-    def reserve(self, length):
-        columns, hidden = original(self, length)
-        return columns, mx.arange(hidden.shape[-1]) > columns[..., None]
+    def reserve(self, length, tree=None):
+        columns, keys, hidden = original(self, length, tree)
+        return columns, keys, mx.arange(hidden.shape[-1]) > columns[..., None]
 
     return reserve
 

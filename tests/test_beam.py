@@ -388,6 +388,8 @@ def test_with_a_draft_model_beams_run_plain_and_say_so_once(ending, converted_pa
         (["--length-penalty", "2"], "--length-penalty goes with beam search"),
         (["--early-stopping", "maybe"], "'maybe' is not true, false or never"),
         (["--num-beams", "2", "--show-draft"], "--show-draft colours draft tokens"),
+        (["--draft-levels", "2"], "--draft-levels goes with beam search"),
+        (["--num-beams", "2", "--draft-levels", "2"], "--draft-levels drafts with a draft model"),
     ],
 )
 def test_bad_beam_flags_get_one_line(flags, message, ending, capsys):

@@ -278,7 +278,7 @@ def test_float16_stays_finite_where_activations_overflow(converted, monkeypatch)
     decoder_inputs = mx.array(random_ids((1, 6), reference.args.vocab_size, seed=12))
     # In float32 the fixture's residual stream really leaves float16's range.
     hidden = reference.shared(inputs)
-    layer_mask = reference.encoder.position_bias(mx.arange(12)[None], 12)
+    layer_mask = reference.encoder.position_bias(mx.arange(12)[None], mx.arange(12))
     hidden = reference.encoder.layers[0](hidden, layer_mask)
     assert mx.abs(hidden).max().item() > float(mx.finfo(mx.float16).max)
 
@@ -353,7 +353,7 @@ def test_the_sliced_encoder_is_the_layers_plain_equations(block, converted, monk
         monkeypatch.setattr(model_module, "ENCODER_SLICE_WORK", work)
     sliced = model.encode(inputs, mask)
     x = model.embed(inputs)
-    bias = model.encoder.position_bias(mx.arange(30)[None], 30)
+    bias = model.encoder.position_bias(mx.arange(30)[None], mx.arange(30))
     layer_mask = bias + model_module.padding_mask(mask, x.dtype)
     for layer in model.encoder.layers:
         x = layer(x, layer_mask)
