@@ -104,9 +104,10 @@ class DraftTree:
 @dataclass
 class BeamPath:
     """Where a beam lies in the main model's pass: its row (the beam it
-    descends from at the pass's start), the indices in that row of the
-    tokens it added in this pass (the last token first), and the index of
-    its own last token, or None where the tree does not hold it."""
+    descends from at the pass's start); ``path``, the indices in that row
+    of its tokens the pass computed, which its caches keep (that beam's last
+    token, at 0, first); and ``node``, the index of its own last token, or
+    None where the tree does not hold it."""
 
     row: int
     path: list[int]
