@@ -497,7 +497,8 @@ def generate(args: argparse.Namespace, group) -> int:
         args.model_name,
         paths,
         prompt_tokens=longest,
-        max_tokens=args.max_tokens,
+        # A speculative beam pass holds each beam's tree past its positions.
+        max_tokens=args.max_tokens + 2 * args.num_beams * args.draft_levels,
         batch_size=batch_size * args.num_beams,
         group=None if args.data_parallel else group,  # the main model split across it
         tokenizer=tokenizer,
