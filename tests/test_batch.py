@@ -382,13 +382,13 @@ ROW_SEEDS = 10_000
 
 def sample_rows(decoder, prompt=PROMPT, copies=RUNS) -> list[tuple]:
     """The first two tokens of ``copies`` rows of ``prompt``, decoded in
-    batches of 16 among half as many rows of shorter and longer prompts."""
+    batches of 64 among half as many rows of shorter and longer prompts."""
     others = ["a", PROMPTS[2], "the dog", PROMPTS[6]]
     prompts = []
     for i in range(copies):
         prompts += [prompt] if i % 2 else [prompt, others[i // 2 % len(others)]]
     # A seed of its own per row: one seed would give every copy of the prompt the same text.
-    generator = decoder.batch_generator(max_batch_size=16)
+    generator = decoder.batch_generator(max_batch_size=64)
     uids = [
         generator.insert(p, Options(MAX_TOKENS, temp=TEMP, seed=ROW_SEEDS + i))
         for i, p in enumerate(prompts)

@@ -190,7 +190,7 @@ def test_a_rows_samples_follow_the_main_model_among_other_settings(decoding_pair
     model, draft_model, tokenizer = decoding_pair
     decoder = SpeculativeDecoder(model, draft_model, tokenizer, num_draft=NUM_DRAFT)
     others = [Sampling(), Sampling(1.5), Sampling(0.7, top_p=0.8), Sampling(1.0, top_k=3)]
-    generator = decoder.batch_generator(max_batch_size=16)
+    generator = decoder.batch_generator(max_batch_size=64)
     mx.random.seed(0)
     mine = []
     for i in range(RUNS):

@@ -4,7 +4,7 @@ Gumbel-max trick, whatever was drafted.
 
 The exact distribution of the first two generated tokens follows from the
 main model's logits: P(y1, y2) = p(y1) p(y2 | y1). Thousands of seeded
-speculative runs give an empirical distribution; a chi-square test on the
+speculative runs (rows of one batch) give an empirical distribution; a chi-square test on the
 likeliest outcomes plus a "rest" bucket compares the two. The same test is
 shown to reject deliberately wrong acceptance rules, so it has the power to
 catch them.
@@ -21,6 +21,7 @@ from scipy.stats import chisquare
 import speculative
 from decoder import SpeculativeDecoder
 from sampling import Sampling
+from speculative import Options
 
 PROMPT = "translate English to German: the old man walks to the market."
 RUNS = 2000
@@ -62,22 +63,27 @@ def exact_distribution(model, prompt_ids, sampling: Sampling) -> dict[tuple, flo
     return distribution
 
 
+# Rows decoded together: a seeded row's text is the one its seed gives the
+# prompt alone (tests/test_seeded_text.py), and a batch draws the samples
+# about 6 times as fast as one run per seed (counts checked equal, 500 seeds).
+SAMPLE_BATCH = 256
+
+
 def sample_outputs(
     decoder: SpeculativeDecoder, sampling: Sampling, prompt=PROMPT, runs=RUNS, speculative=True
 ) -> Counter:
-    counts = Counter()
-    decode = decoder.speculative_decode if speculative else decoder.generate
-    for seed in range(runs):
-        result = decode(
-            prompt,
-            max_tokens=MAX_TOKENS,
-            temp=sampling.temp,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            seed=seed,
-        )
-        counts[tuple(result.tokens[:2])] += 1
-    return counts
+    """The first two tokens of ``runs`` runs of ``prompt``, seeded 0 .. runs - 1."""
+    generator = decoder.batch_generator(speculative=speculative, max_batch_size=SAMPLE_BATCH)
+    options = [
+        Options(MAX_TOKENS, sampling.temp, sampling.top_p, sampling.top_k, seed)
+        for seed in range(runs)
+    ]
+    uids = [generator.insert(prompt, row_options) for row_options in options]
+    last = {}
+    while len(generator):
+        for uid, result in generator.next():
+            last[uid] = result
+    return Counter(tuple(last[uid].tokens[:2]) for uid in uids)
 
 
 def chi_square_p_value(counts: Counter, distribution: dict[tuple, float]) -> float:
