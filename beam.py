@@ -251,17 +251,18 @@ def advance(
     return chosen
 
 
-class BeamStep:
-    """The main model's pass of plain beam search: every beam's next token.
-    Holds the decoder cache of the prompts in the batch."""
+class BeamCache:
+    """``model``'s decoder cache of the beams of a batch's prompts
+    (``num_beams`` rows each): prompts join it, and after each step each
+    row continues its parent's."""
 
-    def __init__(self, model: T5, options: BeamOptions, max_tokens: int):
-        self.model, self.options, self.max_tokens = model, options, max_tokens
+    def __init__(self, model: T5, num_beams: int):
+        self.model, self.num_beams = model, num_beams
         self.cache: DecoderCache | None = None
 
     def add_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """Encode ``prompts``, whose beams follow the batch's."""
-        fresh = start_cache(self.model, prompts, self.options.num_beams)
+        fresh = start_cache(self.model, prompts, self.num_beams)
         self.cache = fresh if self.cache is None else self.cache.add_prompts(fresh)
 
     def keep(self, parents: list[int]) -> None:
@@ -271,6 +272,14 @@ class BeamStep:
             self.cache.take_beams(parents)
         else:
             self.cache = None
+
+
+class BeamStep(BeamCache):
+    """The main model's pass of plain beam search: every beam's next token."""
+
+    def __init__(self, model: T5, options: BeamOptions, max_tokens: int):
+        super().__init__(model, options.num_beams)
+        self.options, self.max_tokens = options, max_tokens
 
     def __call__(self, searches: Sequence[PromptBeams]) -> None:
         """One step of the ``searches`` (the batch's prompts, in order)."""

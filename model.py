@@ -677,10 +677,11 @@ class T5(nn.Module):
         x = self.embed(decoder_inputs)
         length = decoder_inputs.shape[1]
         query_positions, key_positions, hidden = cache.reserve(length, tree)
-        # Key minus query column is key minus query position: the bias
-        # works on columns. Relative position buckets do not hide the
-        # future, so the mask does; it also hides whatever lies past a row's
-        # own length or before its start.
+        # Positions are counted in storage columns (a tree's new tokens at
+        # the row's end plus their depth): key minus query is the same.
+        # Relative position buckets do not hide the future, so the mask does;
+        # it also hides whatever lies past a row's own length or before its
+        # start.
         self_mask = self.decoder.position_bias(query_positions, key_positions)
         self_mask = mx.where(hidden[:, None], -mx.inf, self_mask).astype(x.dtype)
         for layer, layer_cache, cross in zip(

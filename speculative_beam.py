@@ -31,8 +31,8 @@ import cpu  # noqa: F401  # isort: skip
 import mlx.core as mx
 import numpy as np
 
-from beam import BeamOptions, BeamStep, PromptBeams, advance, best_continuations, start_cache
-from cache import DecoderCache, Tree
+from beam import BeamCache, BeamOptions, BeamStep, PromptBeams, advance, best_continuations
+from cache import Tree
 from model import T5
 
 
@@ -46,26 +46,14 @@ class Level:
     tokens: np.ndarray  # int [width]
 
 
-class DraftTree:
+class DraftTree(BeamCache):
     """The draft model's side of speculative beam search: its decoder cache
     of every beam's tokens but the last (the rows ordered as the main
     model's), and the tree it proposes from them."""
 
     def __init__(self, draft: T5, num_beams: int, levels: int, width: int):
-        self.draft, self.num_beams, self.levels, self.width = draft, num_beams, levels, width
-        self.cache: DecoderCache | None = None
-
-    def add_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Encode ``prompts``, whose beams follow the batch's."""
-        fresh = start_cache(self.draft, prompts, self.num_beams)
-        self.cache = fresh if self.cache is None else self.cache.add_prompts(fresh)
-
-    def keep(self, parents: list[int]) -> None:
-        """Row i continues row ``parents[i]`` (as ``BeamStep.keep``)."""
-        if parents:
-            self.cache.take_beams(parents)
-        else:
-            self.cache = None
+        super().__init__(draft, num_beams)
+        self.levels, self.width = levels, width
 
     def propose(self, searches: Sequence[PromptBeams]) -> list[list[Level]]:
         """Each search's tree, level by level. First the draft catches up
@@ -75,7 +63,7 @@ class DraftTree:
         unseen = [sequence[n:] for sequence, n in zip(sequences, self.cache.lengths, strict=True)]
         longest = max(map(len, unseen))
         inputs = mx.array([tokens + [0] * (longest - len(tokens)) for tokens in unseen])
-        logits = self.draft.decode(inputs, self.cache)
+        logits = self.model.decode(inputs, self.cache)
         self.cache.trim([longest - len(tokens) for tokens in unseen])
         logits = logits[mx.arange(len(unseen)), mx.array([len(tokens) - 1 for tokens in unseen])]
         scores = mx.array(np.concatenate([search.scores for search in searches]))
@@ -94,9 +82,9 @@ class DraftTree:
             rows = np.arange(len(searches))[:, None] * rows_per_prompt + parents
             branches.take_beams(rows.ravel().tolist(), beams=self.width)
             rows_per_prompt = self.width
-            logits = self.draft.decode(mx.array(tokens.reshape(-1, 1)), branches)[:, -1]
+            logits = self.model.decode(mx.array(tokens.reshape(-1, 1)), branches)[:, -1]
             # A node that ends its hypothesis has no children.
-            ends = tokens.reshape(-1) == self.draft.args.eos_token_id
+            ends = tokens.reshape(-1) == self.model.args.eos_token_id
             scores = mx.array(np.where(ends, -np.inf, values.reshape(-1)))
         return trees
 
